@@ -1,0 +1,1 @@
+"""Reward models behind one protocol."""

@@ -1,0 +1,6 @@
+import os
+
+# Tests never touch the network: every model is built from a config.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
