@@ -1,0 +1,185 @@
+"""Load SD3 / SD3.5 and FLUX.1 pipelines from a hub id, a local diffusers directory, or a tiny offline build.
+
+    pipe = load_pipeline("stabilityai/stable-diffusion-3.5-medium", dtype="bf16", device="cuda")
+    pipe = load_pipeline("/models/flux-dev")      # kind read from model_index.json
+    pipe = load_pipeline("tiny-sd3", dtype="fp32")  # random tiny weights, no files (see flowgrpo.tiny)
+
+The special names ``"tiny-sd3"`` / ``"tiny-flux"`` win over a local directory of the same name.
+Every ``torch.nn.Module`` component comes back in eval mode (training code turns on what it trains).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers.utils import deprecation_utils
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from flowgrpo.tiny import build_tiny_pipeline
+
+PipelineKind = Literal["sd3", "flux"]
+KINDS: tuple[str, ...] = ("sd3", "flux")
+PIPELINE_CLASSES: dict[str, type] = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}
+# model_index.json "_class_name" -> kind. Other classes (img2img, inpaint, ...) load only with an explicit kind.
+KIND_BY_CLASS_NAME: dict[str, str] = {cls.__name__: kind for kind, cls in PIPELINE_CLASSES.items()}
+TINY_SOURCES: dict[str, str] = {"tiny-sd3": "sd3", "tiny-flux": "flux"}
+
+# Recent diffusers renamed from_pretrained's `torch_dtype` to `dtype` (the old name warns); older ones
+# (pyproject admits >= 0.32) know only `torch_dtype`.
+_DTYPE_KWARG = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+
+
+class PipelineLoadError(ValueError):
+    """A pipeline source that cannot be opened: missing path, not a pipeline, not cached while offline."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bf16" | "fp16" | "fp32"`` (or the long names, or a ``torch.dtype``) -> a floating ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"expected a floating-point dtype, got {dtype}")
+        return dtype
+    name = str(dtype).lower().removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of 'bf16', 'fp16', 'fp32' or a torch.dtype")
+    return _DTYPES[name]
+
+
+def pipeline_kind(pipe: Any) -> PipelineKind:
+    """``"sd3"`` or ``"flux"`` for a pipeline object (by pipeline class, else by transformer class)."""
+    for kind, cls in PIPELINE_CLASSES.items():
+        if isinstance(pipe, cls):
+            return kind  # type: ignore[return-value]
+    # Sibling pipelines (img2img, inpaint, ...) share the transformer, which is what the adapters care about.
+    transformer = getattr(pipe, "transformer", None)
+    if isinstance(transformer, SD3Transformer2DModel):
+        return "sd3"
+    if isinstance(transformer, FluxTransformer2DModel):
+        return "flux"
+    raise ValueError(f"{type(pipe).__name__} is neither an SD3 nor a FLUX pipeline; supported kinds: {KINDS}")
+
+
+def _check_kind(kind: str) -> str:
+    kind = kind.lower()
+    if kind != "auto" and kind not in KINDS:
+        raise ValueError(f"unknown pipeline kind {kind!r}; expected 'auto' or one of {KINDS}")
+    return kind
+
+
+def read_model_index(source: str) -> dict[str, Any]:
+    """The ``model_index.json`` of a local diffusers directory or a hub id (cache only when offline)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise PipelineLoadError(f"{source!r} is a directory but not a diffusers pipeline (no model_index.json)")
+        return json.loads(index.read_text())
+    if path.exists():
+        raise PipelineLoadError(f"{source!r} is a file; expected a diffusers pipeline directory or a hub id")
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        # Not a hub id either, so it can only have been meant as a local path.
+        raise PipelineLoadError(f"local pipeline directory {source!r} does not exist") from None
+    try:
+        return json.loads(Path(hf_hub_download(source, "model_index.json")).read_text())
+    except (OSError, EntryNotFoundError) as err:
+        raise PipelineLoadError(_not_found_message(source, err)) from None
+
+
+def _not_found_message(source: str, err: BaseException) -> str:
+    reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if Path(source).expanduser().is_dir():
+        return f"cannot load pipeline from local directory {source!r} ({reason})"
+    if hf_constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE=1 is set and it is not (fully) in the local Hugging Face cache"
+    else:
+        why = f"fetching it from the Hub failed ({reason})"
+    return (
+        f"cannot load pipeline {source!r}: it is not a local directory, and {why}. "
+        f"Pass a local diffusers directory, or download it first (`hf download {source}`)."
+    )
+
+
+def _detect(source: str) -> tuple[str | None, str | None]:
+    """(kind or None if unknown, pipeline class name) of a source."""
+    if source in TINY_SOURCES:
+        return TINY_SOURCES[source], PIPELINE_CLASSES[TINY_SOURCES[source]].__name__
+    class_name = read_model_index(source).get("_class_name")
+    return KIND_BY_CLASS_NAME.get(class_name), class_name
+
+
+def _unknown_kind_message(source: str, class_name: str | None) -> str:
+    return (
+        f"cannot tell the kind of {source!r}: its model_index.json names {class_name!r}, "
+        f"not one of {sorted(KIND_BY_CLASS_NAME)}; pass kind= one of {KINDS}"
+    )
+
+
+def detect_kind(source: str) -> PipelineKind:
+    """Kind of a tiny name, local directory or hub id, from ``model_index.json`` ``_class_name``."""
+    detected, class_name = _detect(source)
+    if detected is None:
+        raise ValueError(_unknown_kind_message(source, class_name))
+    return detected  # type: ignore[return-value]
+
+
+def load_pipeline(
+    source: str,
+    kind: str = "auto",
+    dtype: str | torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> StableDiffusion3Pipeline | FluxPipeline:
+    """Open an SD3 or FLUX pipeline: a hub id, a local diffusers directory, or ``"tiny-sd3"`` / ``"tiny-flux"``.
+
+    ``kind="auto"`` reads it from ``model_index.json``; an explicit kind must agree with it (a pipeline
+    class this module does not know, e.g. an img2img export, is loaded as the kind asked for).
+    Raises ``PipelineLoadError`` (a ``ValueError``) when the source cannot be found.
+    """
+    kind = _check_kind(kind)
+    torch_dtype = parse_dtype(dtype)
+    detected, class_name = _detect(source)
+    if kind == "auto":
+        if detected is None:
+            raise ValueError(_unknown_kind_message(source, class_name))
+        kind = detected
+    elif detected is not None and detected != kind:
+        raise ValueError(f"{source!r} is a {class_name} (kind {detected!r}), but kind={kind!r} was asked for")
+
+    if source in TINY_SOURCES:
+        pipe = build_tiny_pipeline(kind, seed=0, dtype=torch_dtype)  # type: ignore[arg-type]
+    else:
+        try:
+            pipe = PIPELINE_CLASSES[kind].from_pretrained(source, **{_DTYPE_KWARG: torch_dtype})
+        except OSError as err:  # e.g. model_index.json present but a weight file missing
+            raise PipelineLoadError(_not_found_message(source, err)) from None
+    pipe.to(device)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    return pipe
+
+
+__all__ = [
+    "KINDS",
+    "PipelineKind",
+    "PipelineLoadError",
+    "detect_kind",
+    "load_pipeline",
+    "parse_dtype",
+    "pipeline_kind",
+    "read_model_index",
+]

@@ -1,0 +1,35 @@
+"""Save a tiny random-weight SD3 / FLUX pipeline as a normal diffusers directory (safetensors).
+
+    python scripts/make_tiny_pipeline.py OUT --kind sd3|flux [--seed N] [--dtype fp32]
+
+The result opens with ``flowgrpo.pipelines.load_pipeline(OUT)`` or the diffusers class itself
+(``StableDiffusion3Pipeline.from_pretrained(OUT)`` / ``FluxPipeline.from_pretrained(OUT)``) and gives
+the same outputs as ``flowgrpo.tiny.build_tiny_pipeline(kind, seed)`` in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flowgrpo.pipelines import parse_dtype
+from flowgrpo.tiny import TINY_KINDS, TINY_SIZES, build_tiny_pipeline
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="output directory (created; existing files are overwritten)")
+    parser.add_argument("--kind", required=True, choices=TINY_KINDS)
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> identical weights)")
+    parser.add_argument("--dtype", default="fp32", help="bf16 | fp16 | fp32 (default fp32)")
+    args = parser.parse_args(argv)
+
+    pipe = build_tiny_pipeline(args.kind, seed=args.seed, dtype=parse_dtype(args.dtype))
+    pipe.save_pretrained(args.out, safe_serialization=True)
+    sizes = ", ".join(f"{k}={v}" for k, v in TINY_SIZES[args.kind].items())
+    print(f"saved tiny {args.kind} pipeline (seed {args.seed}) to {args.out}: {sizes}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
