@@ -16,6 +16,7 @@ from .schedule import calculate_shift, pipeline_schedule
 from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode
 from .steps import (
     DIFFUSIONS,
+    SDE_KINDS,
     cps_step,
     dance_diffusion,
     euler_maruyama_step,
@@ -23,12 +24,14 @@ from .steps import (
     langevin_correction,
     langevin_step,
     ode_step,
+    sde_step,
 )
 from .window import STRATEGIES, SlidingWindow
 
 __all__ = [
     "DIFFUSIONS",
     "KL_CONVENTIONS",
+    "SDE_KINDS",
     "SOLVERS",
     "STRATEGIES",
     "SlidingWindow",
@@ -48,5 +51,6 @@ __all__ = [
     "ode_step",
     "pipeline_schedule",
     "reduce_per_sample",
+    "sde_step",
     "transition_kl",
 ]

@@ -203,3 +203,40 @@ def langevin_correction(
     return make_transition(
         x, mean, std, flowgrpo_std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
     )
+
+
+SDE_KINDS = ("euler_maruyama", "cps", "langevin")
+
+
+def sde_step(
+    kind: str,
+    v: Tensor,
+    x: Tensor,
+    t: TimeLike,
+    t_next: TimeLike,
+    *,
+    noise_level: float,
+    diffusion: Diffusion = "flowgrpo",
+    score_eval: Literal["frozen", "reeval"] = "frozen",
+    velocity_fn: VelocityFn | None = None,
+    t_second: TimeLike | None = None,
+    kappa: float = 0.95,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: Tensor | None = None,
+    reduce: Reduce = "mean",
+) -> Transition:
+    """Dispatch to the step named by a config's ``sampler.kind``; options a kind does not use are ignored."""
+    draw = {"noise": noise, "generator": generator, "prev_sample": prev_sample, "reduce": reduce}
+    if kind == "euler_maruyama":
+        return euler_maruyama_step(
+            v, x, t, t_next, noise_level=noise_level, diffusion=diffusion, t_second=t_second, **draw
+        )
+    if kind == "cps":
+        return cps_step(v, x, t, t_next, noise_level=noise_level, **draw)
+    if kind == "langevin":
+        return langevin_step(
+            v, x, t, t_next, noise_level=noise_level, score_eval=score_eval, velocity_fn=velocity_fn,
+            diffusion=diffusion, t_second=t_second, kappa=kappa, **draw,
+        )  # fmt: skip
+    raise ValueError(f"sampler kind must be one of {SDE_KINDS}, got {kind!r}")

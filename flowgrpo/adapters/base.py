@@ -1,0 +1,273 @@
+"""One interface to drive any flow-matching diffusers pipeline: encode, predict velocity, schedule, decode.
+
+An adapter owns the pipeline's components; the trainer and rollout only call this interface, so they
+hold no model-specific branches. Subclasses (SD3, FLUX) fill in the family-specific parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from samplers import pipeline_schedule
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch, one row per image (rows of the same prompt share storage).
+
+    prompt_embeds:   [B, L, D] token embeddings fed as ``encoder_hidden_states``
+    pooled:          [B, P]    pooled embeddings fed as ``pooled_projections``
+    negative_embeds / negative_pooled: the empty prompt's, for classifier-free guidance (SD3), or None
+    """
+
+    prompt_embeds: Tensor
+    pooled: Tensor
+    negative_embeds: Tensor | None = None
+    negative_pooled: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def select(self, index: Tensor | slice | Sequence[int]) -> PromptEmbeds:
+        """Rows ``index`` (a micro-batch) of every field."""
+        if not isinstance(index, slice | Tensor):
+            index = torch.as_tensor(list(index), dtype=torch.long)
+        return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> PromptEmbeds:
+        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _take(value: Tensor | None, index: Any) -> Tensor | None:
+    if value is None:
+        return None
+    if isinstance(index, Tensor):
+        index = index.to(value.device)
+    return value[index]
+
+
+def _move(value: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if value is None else value.to(device)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare module under DDP / DeepSpeed / FSDP / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+class PipelineAdapter:
+    """Family-independent part of an adapter. Subclasses set the class attributes and the abstract methods.
+
+    ``transformer`` may be replaced by a wrapped module (``accelerator.prepare``); forwards go through it,
+    while adapter switching and parameter queries use the unwrapped module.
+    """
+
+    family: ClassVar[str]
+    default_lora_targets: ClassVar[tuple[str, ...]]
+
+    def __init__(self, pipe: Any, *, negative_prompt: str = "") -> None:
+        self.pipe = pipe
+        self.transformer: torch.nn.Module = pipe.transformer
+        self.vae = pipe.vae
+        self.scheduler = pipe.scheduler
+        self.negative_prompt = negative_prompt
+        self._cache: dict[str, tuple[Tensor, Tensor]] = {}
+        self.text_encoder_calls = 0  # batched encode calls, for tests and logs
+
+    # ------------------------------------------------------------------ family-specific
+    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """(token embeddings [N, L, D], pooled [N, P]) for unique prompts, one batched text-encoder pass."""
+        raise NotImplementedError
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Shape of one sample's latents in the layout the transformer consumes."""
+        raise NotImplementedError
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        raise NotImplementedError
+
+    def velocity(
+        self, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, guidance_scale: float
+    ) -> Tensor:
+        """Predicted velocity ``v ≈ eps - x0`` in the latents' layout and dtype."""
+        raise NotImplementedError
+
+    def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
+    @property
+    def device(self) -> torch.device:
+        return next(unwrap(self.transformer).parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(unwrap(self.transformer).parameters()).dtype
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE downsampling × patching)."""
+        raise NotImplementedError
+
+    def check_size(self, height: int, width: int) -> None:
+        m = self.size_multiple
+        if height <= 0 or width <= 0 or height % m or width % m:
+            raise ValueError(
+                f"{self.family}: height and width must be positive multiples of {m} "
+                f"(VAE factor × patch size), got {height}x{width}; try {max(m, height // m * m)}x"
+                f"{max(m, width // m * m)}"
+            )
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str], *, with_negative: bool = False) -> PromptEmbeds:
+        """Embeddings for ``prompts`` (one row each), encoding each unique prompt once and caching it.
+
+        ``with_negative`` adds the empty/negative prompt's embeddings (encoded once) for CFG.
+        """
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt, got an empty list")
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be strings")
+        wanted = list(dict.fromkeys(prompts + ([self.negative_prompt] if with_negative else [])))
+        missing = [p for p in wanted if p not in self._cache]
+        if missing:
+            self.text_encoder_calls += 1
+            embeds, pooled = self._encode(missing)
+            for i, prompt in enumerate(missing):
+                self._cache[prompt] = (embeds[i], pooled[i])
+        embeds = torch.stack([self._cache[p][0] for p in prompts])
+        pooled = torch.stack([self._cache[p][1] for p in prompts])
+        if not with_negative:
+            return PromptEmbeds(embeds, pooled)
+        neg_embeds, neg_pooled = self._cache[self.negative_prompt]
+        n = len(prompts)
+        return PromptEmbeds(
+            embeds, pooled, neg_embeds.expand(n, *neg_embeds.shape), neg_pooled.expand(n, *neg_pooled.shape)
+        )
+
+    def clear_prompt_cache(self) -> None:
+        self._cache.clear()
+
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
+        """``(sigmas [T + 1], timesteps [T])`` exactly as ``pipe(num_inference_steps=num_steps)`` sets them."""
+        self.check_size(height, width)
+        sigmas, timesteps = pipeline_schedule(
+            self.scheduler, num_steps, family=self.family, image_seq_len=self.image_seq_len(height, width),
+            device=self.device,
+        )
+        return sigmas, timesteps
+
+    def _timestep(self, sigma: Tensor | float, batch: int) -> Tensor:
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
+        if sigma.ndim == 1 and sigma.shape[0] != batch:
+            raise ValueError(f"per-sample sigma has {sigma.shape[0]} entries for a batch of {batch}")
+        # Same float32 product the scheduler uses for its timesteps (sigmas * num_train_timesteps).
+        return (sigma * self.scheduler.config.num_train_timesteps).expand(batch)
+
+    def initial_noise(
+        self,
+        batch_size: int,
+        height: int,
+        width: int,
+        *,
+        generator: torch.Generator | None = None,
+        group_ids: Tensor | Sequence[int] | None = None,
+        same_within_group: bool = False,
+    ) -> Tensor:
+        """``N(0, I)`` latents ``[B, *latent_shape]``; ``same_within_group`` shares one draw per group id."""
+        self.check_size(height, width)
+        shape = self.latent_shape(height, width)
+        device = generator.device if generator is not None else self.device
+        if same_within_group:
+            if group_ids is None:
+                raise ValueError("same_within_group needs group_ids")
+            ids = torch.as_tensor(list(group_ids) if not isinstance(group_ids, Tensor) else group_ids)
+            if ids.shape != (batch_size,):
+                raise ValueError(f"group_ids must have shape ({batch_size},), got {tuple(ids.shape)}")
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            draws = torch.randn((len(unique), *shape), generator=generator, device=device, dtype=torch.float32)
+            noise = draws[inverse.to(device)]
+        else:
+            noise = torch.randn((batch_size, *shape), generator=generator, device=device, dtype=torch.float32)
+        return noise.to(device=self.device, dtype=self.dtype)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor, height: int, width: int) -> Tensor:
+        """Latents → float images ``[B, 3, H, W]`` in [0, 1], as ``pipe(output_type="pt")``."""
+        latents = self._latents_to_vae(latents, height, width)
+        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    # ------------------------------------------------------------------ LoRA and training switches
+    def add_lora(
+        self,
+        rank: int = 32,
+        alpha: float = 64,
+        target_modules: str | Sequence[str] = "default",
+        init: str | bool = "gaussian",
+        dropout: float = 0.0,
+    ) -> None:
+        """Attach a peft LoRA adapter to the transformer; only adapter parameters will require grad."""
+        from peft import LoraConfig
+
+        if rank < 1:
+            raise ValueError(f"lora rank must be >= 1, got {rank}")
+        targets = list(self.default_lora_targets if target_modules == "default" else target_modules)
+        model = unwrap(self.transformer)
+        model.requires_grad_(False)
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha, init_lora_weights=init, target_modules=targets, lora_dropout=dropout
+        )
+        try:
+            model.add_adapter(config)
+        except ValueError as err:
+            message = f"lora.target_modules {targets} do not match the {self.family} transformer: {err}"
+            raise ValueError(message) from None
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+            if param.requires_grad:  # LoRA weights train in float32 even when the base runs in bf16/fp16
+                param.data = param.data.float()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in unwrap(self.transformer).parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The reference model for the KL: the same transformer with its LoRA adapter switched off."""
+        model = unwrap(self.transformer)
+        if not getattr(model, "_hf_peft_config_loaded", False):
+            yield
+            return
+        model.disable_adapters()
+        try:
+            yield
+        finally:
+            model.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        unwrap(self.transformer).enable_gradient_checkpointing()
+
+    def set_attention_backend(self, backend: str) -> None:
+        """``sdpa`` (PyTorch's default kernels) or ``xformers`` (CUDA only)."""
+        if backend == "sdpa":
+            return
+        if backend != "xformers":
+            raise ValueError(f"model.attention must be 'sdpa' or 'xformers', got {backend!r}")
+        if not torch.cuda.is_available() or self.device.type != "cuda":
+            raise ValueError("model.attention=xformers needs a CUDA device; use model.attention=sdpa on CPU")
+        try:
+            unwrap(self.transformer).enable_xformers_memory_efficient_attention()
+        except (ImportError, ModuleNotFoundError) as err:
+            raise ValueError(f"model.attention=xformers needs `pip install -e .[xformers]`: {err}") from None

@@ -1,0 +1,81 @@
+"""FLUX.1 adapter: CLIP (pooled) + T5 encoders, packed [B, (H/16)(W/16), 4C] latents, guidance embedding."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .base import PipelineAdapter, PromptEmbeds
+
+
+class FluxAdapter(PipelineAdapter):
+    family = "flux"
+    # Attention on both streams plus the feed-forward layers (double and single blocks).
+    default_lora_targets = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+    )  # fmt: skip
+
+    def __init__(self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512) -> None:
+        super().__init__(pipe, negative_prompt=negative_prompt)
+        self.max_sequence_length = max_sequence_length
+        self._image_ids: dict[int, Tensor] = {}  # packed sequence length -> [L, 3] positional ids
+
+    @property
+    def size_multiple(self) -> int:
+        return self.pipe.vae_scale_factor * 2  # 2x2 packing on top of the VAE factor
+
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        f = self.pipe.vae_scale_factor
+        return 2 * (height // (f * 2)), 2 * (width // (f * 2))
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        self.check_size(height, width)
+        h, w = self._latent_hw(height, width)
+        channels = self.pipe.transformer.config.in_channels // 4
+        length = (h // 2) * (w // 2)
+        if length not in self._image_ids:
+            self._image_ids[length] = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
+        return (length, channels * 4)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        return self.latent_shape(height, width)[0]
+
+    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        return embeds, pooled
+
+    def _ids_for(self, length: int) -> Tensor:
+        if length not in self._image_ids:
+            side = math.isqrt(length)
+            if side * side != length:
+                raise ValueError(f"unknown FLUX latent length {length}: call latent_shape(height, width) first")
+            self._image_ids[length] = self.pipe._prepare_latent_image_ids(1, side, side, self.device, self.dtype)
+        return self._image_ids[length]
+
+    def velocity(
+        self, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, guidance_scale: float
+    ) -> Tensor:
+        """Guidance-distilled: ``guidance_scale`` goes into the guidance embedding, one forward, no CFG."""
+        batch = latents.shape[0]
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(batch)
+        # As FluxPipeline: the timestep is cast to the latents' dtype, then scaled to [0, 1].
+        timestep = self._timestep(sigma, batch).to(latents.dtype)
+        text = embeds.prompt_embeds
+        text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        return self.transformer(
+            hidden_states=latents, timestep=timestep / 1000, guidance=guidance, pooled_projections=embeds.pooled,
+            encoder_hidden_states=embeds.prompt_embeds, txt_ids=text_ids, img_ids=self._ids_for(latents.shape[1]),
+            return_dict=False,
+        )[0]  # fmt: skip
+
+    def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
+        return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)

@@ -1,0 +1,237 @@
+"""Rollouts: sample a batch with an SDE inside the trained window and an ODE outside it, keeping the
+trained transitions; and the re-evaluation of stored transitions that the GRPO loss needs.
+
+Everything model-specific goes through the adapter; everything stochastic through ``samplers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from samplers import DIFFUSIONS, SDE_KINDS, SOLVERS, Transition, compress_schedule, dpmpp_2m_step, ode_step, sde_step
+
+from .adapters import PipelineAdapter, PromptEmbeds
+
+
+@dataclass
+class SamplerConfig:
+    """``sampler:`` section. How images are sampled during training (and, with noise 0, evaluated).
+
+    kind: ``euler_maruyama`` (Flow-GRPO / DanceGRPO), ``cps`` (coefficients-preserving) or ``langevin``
+        (LC-GRPO). diffusion: ``flowgrpo`` (g = a·sqrt(t/(1-t))) or ``dance`` (g = a), for E–M and Langevin.
+    score_eval: Langevin only, ``frozen`` (1 network call per step) or ``reeval`` (2 calls).
+    noise_level: a in the formulas (Flow-GRPO SD3 0.7, FLUX 0.9; DanceGRPO 0.3); 0 = the ODE.
+    num_steps: sampling steps T. guidance_scale: CFG scale (SD3) or guidance embedding (FLUX).
+    kappa: Langevin's cap on the step std, as a fraction of t_next.
+    post_window_solver / post_window_ratio: after the window, ``euler`` on the full schedule, or
+        ``dpmpp_2m`` on a schedule compressed to ``ratio`` of its steps (MixGRPO-Flash: dpmpp_2m, 0.4).
+    same_initial_noise: all images of a group start from the same noise.
+    """
+
+    kind: str = "euler_maruyama"
+    diffusion: str = "flowgrpo"
+    score_eval: str = "frozen"
+    noise_level: float = 0.7
+    num_steps: int = 10
+    guidance_scale: float = 4.5
+    kappa: float = 0.95
+    post_window_solver: str = "euler"
+    post_window_ratio: float = 1.0
+    same_initial_noise: bool = False
+
+    def __post_init__(self) -> None:
+        checks = {
+            "kind": (self.kind in SDE_KINDS, f"one of {SDE_KINDS}"),
+            "diffusion": (self.diffusion in DIFFUSIONS, f"one of {tuple(DIFFUSIONS)}"),
+            "score_eval": (self.score_eval in ("frozen", "reeval"), "'frozen' or 'reeval'"),
+            "noise_level": (self.noise_level >= 0, ">= 0"),
+            "num_steps": (self.num_steps >= 2, ">= 2"),
+            "post_window_solver": (self.post_window_solver in SOLVERS, f"one of {SOLVERS}"),
+            "post_window_ratio": (0 < self.post_window_ratio <= 1, "in (0, 1]"),
+        }
+        for key, (ok, expected) in checks.items():
+            if not ok:
+                raise ValueError(f"sampler.{key} must be {expected}, got {getattr(self, key)!r}")
+
+
+@dataclass
+class Trajectory:
+    """A sampled batch: the trained (SDE) transitions only, plus what the loss and rewards need.
+
+    latents / next_latents: [B, W, *latent]  before / after each of the W window steps
+    log_probs:              [B, W]           float32 log-prob of each transition under the sampling policy
+    stds:                   [W]              the transitions' std
+    sigmas / sigmas_next:   [W]              t and t_next of each window step
+    step_indices:           the window's step indices in the (uncompressed) schedule
+    images:                 [B, 3, H, W] in [0, 1] (None when not decoded); final_latents [B, *latent]
+    """
+
+    prompts: list[str]
+    group_ids: Tensor
+    embeds: PromptEmbeds
+    latents: Tensor
+    next_latents: Tensor
+    log_probs: Tensor
+    stds: Tensor
+    sigmas: Tensor
+    sigmas_next: Tensor
+    step_indices: list[int]
+    t_second: float
+    guidance_scale: float
+    height: int
+    width: int
+    final_latents: Tensor
+    images: Tensor | None = None
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_trained_steps(self) -> int:
+        return len(self.step_indices)
+
+    def select(self, index: Tensor | Sequence[int]) -> Trajectory:
+        """The samples ``index`` (a micro-batch), sharing the per-step fields."""
+        index = torch.as_tensor(list(index) if not isinstance(index, Tensor) else index, dtype=torch.long)
+        per_sample = {"group_ids", "latents", "next_latents", "log_probs", "final_latents", "images"}
+        picked: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in per_sample and value is not None:
+                picked[f.name] = value[index.to(value.device)]
+        picked["prompts"] = [self.prompts[i] for i in index.tolist()]
+        picked["embeds"] = self.embeds.select(index)
+        if self.metadata:
+            picked["metadata"] = [self.metadata[i] for i in index.tolist()]
+        return replace(self, **picked)
+
+
+def _step_kwargs(sampler: SamplerConfig) -> dict[str, Any]:
+    return {
+        "noise_level": sampler.noise_level,
+        "diffusion": sampler.diffusion,
+        "score_eval": sampler.score_eval,
+        "kappa": sampler.kappa,
+    }
+
+
+@torch.no_grad()
+def rollout(
+    adapter: PipelineAdapter,
+    prompts: Sequence[str],
+    group_ids: Tensor | Sequence[int],
+    sampler: SamplerConfig,
+    window: range,
+    generator: torch.Generator | None = None,
+    *,
+    height: int,
+    width: int,
+    initial_latents: Tensor | None = None,
+    decode: bool = True,
+    log_prob_reduce: str = "mean",
+    metadata: list[dict[str, Any]] | None = None,
+    progress: bool = False,
+) -> Trajectory:
+    """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("rollout needs at least one prompt, got an empty list")
+    group_ids = torch.as_tensor(list(group_ids) if not isinstance(group_ids, Tensor) else group_ids)
+    if group_ids.shape != (len(prompts),):
+        raise ValueError(f"group_ids must have one id per prompt ({len(prompts)}), got shape {tuple(group_ids.shape)}")
+    if window and (window.start < 0 or window.stop > sampler.num_steps - 1):
+        raise ValueError(f"window {window} must lie within steps 0..{sampler.num_steps - 2} (the last is ODE)")
+    embeds = adapter.encode_prompts(prompts, with_negative=sampler.guidance_scale > 1)
+    sigmas, _ = adapter.schedule(sampler.num_steps, height, width)
+    t_second = float(sigmas[1])
+    after = window.stop if window else 0
+    if sampler.post_window_solver == "dpmpp_2m":
+        sigmas = compress_schedule(sigmas, after, sampler.post_window_ratio)
+    if initial_latents is None:
+        x = adapter.initial_noise(
+            len(prompts), height, width, generator=generator, group_ids=group_ids,
+            same_within_group=sampler.same_initial_noise,
+        )  # fmt: skip
+    else:
+        expected = (len(prompts), *adapter.latent_shape(height, width))
+        if tuple(initial_latents.shape) != expected:
+            raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
+        x = initial_latents.to(device=adapter.device, dtype=adapter.dtype)
+
+    gs = sampler.guidance_scale
+    velocity_fn = lambda y, s: adapter.velocity(y, s, embeds, gs)  # noqa: E731
+    before, after_, log_probs, stds = [], [], [], []
+    prev_x0 = t_prev = None
+    for i in tqdm(range(len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
+        t, t_next = sigmas[i], sigmas[i + 1]
+        v = velocity_fn(x, t)
+        if i in window:
+            step = sde_step(
+                sampler.kind, v, x, t, t_next, t_second=t_second, velocity_fn=velocity_fn, generator=generator,
+                reduce=log_prob_reduce, **_step_kwargs(sampler),
+            )  # fmt: skip
+            before.append(x)
+            after_.append(step.sample)
+            log_probs.append(step.log_prob)
+            stds.append(step.std.reshape(-1)[0] if step.std.numel() else step.std)
+            x = step.sample
+        elif i >= after and sampler.post_window_solver == "dpmpp_2m":
+            x, prev_x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
+            t_prev = t
+        else:
+            x = ode_step(v, x, t, t_next)
+
+    window_idx = list(window)
+    latent_shape = tuple(x.shape[1:])
+    stack = lambda items: torch.stack(items, dim=1) if items else x.new_zeros((len(prompts), 0, *latent_shape))  # noqa: E731
+    return Trajectory(
+        prompts=prompts,
+        group_ids=group_ids,
+        embeds=embeds,
+        latents=stack(before),
+        next_latents=stack(after_),
+        log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(len(prompts), 0),
+        stds=torch.stack(stds).float() if stds else torch.zeros(0),
+        sigmas=sigmas[window_idx] if window_idx else sigmas[:0],
+        sigmas_next=sigmas[[i + 1 for i in window_idx]] if window_idx else sigmas[:0],
+        step_indices=window_idx,
+        t_second=t_second,
+        guidance_scale=gs,
+        height=height,
+        width=width,
+        final_latents=x,
+        images=adapter.decode(x, height, width) if decode else None,
+        metadata=list(metadata) if metadata is not None else [],
+    )
+
+
+def evaluate_transitions(
+    adapter: PipelineAdapter,
+    trajectory: Trajectory,
+    step: int,
+    sampler: SamplerConfig,
+    *,
+    log_prob_reduce: str = "mean",
+) -> Transition:
+    """Re-score the stored transition ``step`` (position in the window) under the current weights.
+
+    Runs the same forward path as the rollout (same guidance, same precision, same sigmas), so with
+    unchanged weights ``log_prob`` equals the stored one exactly. Gradients flow to the adapter's
+    parameters unless called under ``torch.no_grad()``; wrap in ``adapter.adapter_disabled()`` for the
+    reference model.
+    """
+    x = trajectory.latents[:, step]
+    t, t_next = trajectory.sigmas[step], trajectory.sigmas_next[step]
+    embeds, gs = trajectory.embeds, trajectory.guidance_scale
+    velocity_fn = lambda y, s: adapter.velocity(y, s, embeds, gs)  # noqa: E731
+    return sde_step(
+        sampler.kind, velocity_fn(x, t), x, t, t_next, t_second=trajectory.t_second, velocity_fn=velocity_fn,
+        prev_sample=trajectory.next_latents[:, step], reduce=log_prob_reduce, **_step_kwargs(sampler),
+    )  # fmt: skip
