@@ -148,7 +148,7 @@ def rollout(
         raise ValueError(f"group_ids must have one id per prompt ({len(prompts)}), got shape {tuple(group_ids.shape)}")
     if window and (window.start < 0 or window.stop > sampler.num_steps - 1):
         raise ValueError(f"window {window} must lie within steps 0..{sampler.num_steps - 2} (the last is ODE)")
-    embeds = adapter.encode_prompts(prompts, with_negative=sampler.guidance_scale > 1)
+    embeds = adapter.encode_prompts(prompts, with_negative=adapter.needs_negative(sampler.guidance_scale))
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width)
     t_second = float(sigmas[1])
     after = window.stop if window else 0

@@ -74,6 +74,7 @@ class PipelineAdapter:
 
     family: ClassVar[str]
     default_lora_targets: ClassVar[tuple[str, ...]]
+    uses_cfg: ClassVar[bool]  # classifier-free guidance with a negative prompt (SD3), or not (FLUX)
 
     def __init__(self, pipe: Any, *, negative_prompt: str = "") -> None:
         self.pipe = pipe
@@ -155,6 +156,10 @@ class PipelineAdapter:
         return PromptEmbeds(
             embeds, pooled, neg_embeds.expand(n, *neg_embeds.shape), neg_pooled.expand(n, *neg_pooled.shape)
         )
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        """Whether ``velocity`` at this guidance scale uses the negative prompt's embeddings."""
+        return self.uses_cfg and guidance_scale > 1
 
     def clear_prompt_cache(self) -> None:
         self._cache.clear()

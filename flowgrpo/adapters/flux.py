@@ -13,6 +13,7 @@ from .base import PipelineAdapter, PromptEmbeds
 
 class FluxAdapter(PipelineAdapter):
     family = "flux"
+    uses_cfg = False
     # Attention on both streams plus the feed-forward layers (double and single blocks).
     default_lora_targets = (
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",

@@ -12,6 +12,7 @@ from .base import PipelineAdapter, PromptEmbeds
 
 class SD3Adapter(PipelineAdapter):
     family = "sd3"
+    uses_cfg = True
     # Flow-GRPO's SD3 targets: joint attention on the image and text streams.
     default_lora_targets = (
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -48,7 +49,7 @@ class SD3Adapter(PipelineAdapter):
     ) -> Tensor:
         """CFG as ``pipe()``: uncond + cond batched in one forward when ``guidance_scale > 1``."""
         timestep = self._timestep(sigma, latents.shape[0])
-        cfg = guidance_scale > 1
+        cfg = self.needs_negative(guidance_scale)
         if cfg:
             if embeds.negative_embeds is None:
                 raise ValueError("guidance_scale > 1 needs negative embeddings (encode_prompts with_negative=True)")

@@ -1,0 +1,202 @@
+"""Adapters and rollouts on tiny random SD3 / FLUX pipelines: alignment with pipe(), exact re-scoring, LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.adapters import make_adapter, unwrap
+from flowgrpo.pipelines import load_pipeline
+from flowgrpo.rollout import SamplerConfig, evaluate_transitions, rollout
+from flowgrpo.tiny import build_tiny_pipeline
+
+SIZE = 32
+GUIDANCE = {"sd3": 4.5, "flux": 3.5}  # SD3 with CFG, FLUX through its guidance embedding
+PROMPTS = ['a sign that says "hello"', "a red cube", "a red cube", "a blue ball"]
+
+
+@pytest.fixture(scope="module", params=["sd3", "flux"])
+def kind(request):
+    return request.param
+
+
+def _adapter(kind, seed=0):
+    return make_adapter(build_tiny_pipeline(kind, seed=seed))
+
+
+@pytest.mark.parametrize("steps", [4, 7])
+def test_noise_free_rollout_reproduces_pipe(kind, steps):
+    adapter = _adapter(kind)
+    latents = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    expected = adapter.pipe(
+        prompt=PROMPTS, latents=latents.clone(), num_inference_steps=steps, guidance_scale=GUIDANCE[kind],
+        height=SIZE, width=SIZE, output_type="pt",
+    ).images  # fmt: skip
+    sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=GUIDANCE[kind])
+    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, steps - 1), height=SIZE, width=SIZE,
+                   initial_latents=latents)  # fmt: skip
+    assert traj.images.shape == (len(PROMPTS), 3, SIZE, SIZE)
+    torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "sampler_kwargs",
+    [
+        {"kind": "euler_maruyama"},
+        {"kind": "euler_maruyama", "diffusion": "dance", "noise_level": 0.3},
+        {"kind": "cps"},
+        {"kind": "langevin"},
+        {"kind": "langevin", "score_eval": "reeval"},
+    ],
+    ids=["em", "dance", "cps", "lc_frozen", "lc_reeval"],
+)
+def test_rescoring_the_stored_trajectory_gives_ratio_exactly_one(kind, sampler_kwargs):
+    adapter = _adapter(kind)
+    sampler = SamplerConfig(**{"noise_level": 0.7, "num_steps": 6, "guidance_scale": GUIDANCE[kind], **sampler_kwargs})
+    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(1, 4), torch.Generator().manual_seed(1),
+                   height=SIZE, width=SIZE)  # fmt: skip
+    assert traj.num_trained_steps == 3 and traj.log_probs.shape == (4, 3)
+    assert torch.isfinite(traj.log_probs).all()
+    for j in range(traj.num_trained_steps):
+        with torch.no_grad():
+            again = evaluate_transitions(adapter, traj, j, sampler)
+        assert torch.equal(again.log_prob, traj.log_probs[:, j])
+        assert torch.equal(torch.exp(again.log_prob - traj.log_probs[:, j]), torch.ones(4))
+    # A micro-batch re-scores the same way.
+    sub = traj.select([3, 0])
+    with torch.no_grad():
+        torch.testing.assert_close(evaluate_transitions(adapter, sub, 1, sampler).log_prob, traj.log_probs[[3, 0], 1])
+
+
+def test_text_encoders_run_once_per_unique_prompt(kind):
+    adapter = _adapter(kind)
+    pipe = adapter.pipe
+    encoders = [m for m in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)) if m]
+    rows = {id(e): [] for e in encoders}
+    for encoder in encoders:
+        encoder.register_forward_hook(lambda mod, args, kwargs, out: rows[id(mod)].append(
+            (args[0] if args else kwargs["input_ids"]).shape[0]), with_kwargs=True)  # fmt: skip
+    sampler = SamplerConfig(num_steps=3, guidance_scale=GUIDANCE[kind])
+    for epoch in range(2):
+        rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 1), torch.Generator().manual_seed(epoch),
+                height=SIZE, width=SIZE, decode=False)  # fmt: skip
+    unique = len(set(PROMPTS)) + (1 if kind == "sd3" else 0)  # SD3 adds the empty negative prompt for CFG
+    for encoder in encoders:
+        assert rows[id(encoder)] == [unique], (type(encoder).__name__, rows[id(encoder)])
+    assert adapter.text_encoder_calls == 1
+
+
+def test_window_stores_exactly_its_steps_and_mixgrpo_flash_compresses_the_tail(kind):
+    adapter = _adapter(kind)
+    calls = []
+    forward = adapter.velocity
+    adapter.velocity = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    steps = 10
+    for window, solver, ratio, expected_calls in [
+        (range(2, 5), "euler", 1.0, steps),
+        (range(0, 0), "euler", 1.0, steps),
+        (range(2, 5), "dpmpp_2m", 0.4, 5 + max(int((steps - 5) * 0.4), 1)),
+    ]:
+        calls.clear()
+        sampler = SamplerConfig(num_steps=steps, guidance_scale=GUIDANCE[kind], post_window_solver=solver,
+                                post_window_ratio=ratio)  # fmt: skip
+        traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
+                       height=SIZE, width=SIZE)  # fmt: skip
+        assert traj.num_trained_steps == len(window) == traj.latents.shape[1] == traj.next_latents.shape[1]
+        assert traj.step_indices == list(window)
+        assert len(calls) == expected_calls
+        assert torch.isfinite(traj.images).all()
+        if len(window):
+            full, _ = adapter.schedule(steps, SIZE, SIZE)
+            torch.testing.assert_close(traj.sigmas, full[list(window)])
+
+
+def test_shared_initial_noise_within_groups(kind):
+    adapter = _adapter(kind)
+    noise = adapter.initial_noise(4, SIZE, SIZE, generator=torch.Generator().manual_seed(0),
+                                  group_ids=[5, 5, 9, 9], same_within_group=True)  # fmt: skip
+    assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])
+    assert not torch.equal(noise[0], noise[2])
+
+
+def test_lora_trains_only_adapter_weights_and_disabled_adapter_is_the_base_model(kind):
+    adapter = _adapter(kind)
+    sampler = SamplerConfig(num_steps=4, guidance_scale=GUIDANCE[kind])
+    traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, range(0, 3), torch.Generator().manual_seed(0),
+                   height=SIZE, width=SIZE)  # fmt: skip
+    x, t = traj.latents[:, 1], traj.sigmas[1]
+    with torch.no_grad():
+        base = adapter.velocity(x, t, traj.embeds, traj.guidance_scale)
+    adapter.add_lora(rank=4, alpha=8)
+    trainable = adapter.trainable_parameters()
+    names = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in names)
+    assert all(p.dtype == torch.float32 for p in trainable)
+    with torch.no_grad():
+        for name, param in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # make the adapter change the output
+        adapted = adapter.velocity(x, t, traj.embeds, traj.guidance_scale)
+        with adapter.adapter_disabled():
+            reference = adapter.velocity(x, t, traj.embeds, traj.guidance_scale)
+    assert not torch.allclose(adapted, base)
+    torch.testing.assert_close(reference, base, rtol=0, atol=0)
+    # Gradients reach the adapter from the re-scored log-prob, and only the adapter.
+    step = evaluate_transitions(adapter, traj, 1, sampler)
+    step.log_prob.mean().backward()
+    assert all(p.grad is not None for p in trainable)
+    assert all(p.grad is None for p in adapter.transformer.parameters() if not p.requires_grad)
+
+
+def test_reference_forward_under_ddp_wrapper():
+    import torch.distributed as dist
+
+    adapter = _adapter("sd3")
+    adapter.add_lora(rank=2, alpha=2)
+    initialized_here = not dist.is_initialized()
+    if initialized_here:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+    try:
+        adapter.transformer = torch.nn.parallel.DistributedDataParallel(adapter.transformer)
+        assert unwrap(adapter.transformer) is adapter.pipe.transformer
+        with torch.no_grad():
+            for name, param in unwrap(adapter.transformer).named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.5)
+        embeds = adapter.encode_prompts(["a cat"], with_negative=True)
+        x = adapter.initial_noise(1, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            with adapter.adapter_disabled():
+                reference = adapter.velocity(x, 0.5, embeds, 4.5)
+            adapted = adapter.velocity(x, 0.5, embeds, 4.5)
+            unwrap(adapter.transformer).disable_adapters()
+            base = adapter.velocity(x, 0.5, embeds, 4.5)
+            unwrap(adapter.transformer).enable_adapters()
+        torch.testing.assert_close(reference, base, rtol=0, atol=0)
+        assert not torch.allclose(adapted, base)
+    finally:
+        if initialized_here:
+            dist.destroy_process_group()
+
+
+def test_bad_inputs_raise_clear_errors():
+    adapter = _adapter("sd3")
+    sampler = SamplerConfig(num_steps=3)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        rollout(adapter, ["a"], [0], sampler, range(0, 1), height=30, width=32)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        rollout(adapter, [], [], sampler, range(0, 1), height=32, width=32)
+    with pytest.raises(ValueError, match="one id per prompt"):
+        rollout(adapter, ["a", "b"], [0], sampler, range(0, 1), height=32, width=32)
+    with pytest.raises(ValueError, match="last is ODE"):
+        rollout(adapter, ["a"], [0], sampler, range(0, 3), height=32, width=32)
+    with pytest.raises(ValueError, match="sampler.kind"):
+        SamplerConfig(kind="ddim")
+    with pytest.raises(ValueError, match="sd3"):
+        load_pipeline("tiny-sd3", kind="sdxl")
+    with pytest.raises(ValueError, match="no adapter"):
+        make_adapter(object())
+    with pytest.raises(ValueError, match="target_modules"):
+        adapter.add_lora(rank=2, target_modules=["no_such_layer"])
+    with pytest.raises(ValueError, match="xformers|CUDA"):
+        adapter.set_attention_backend("xformers")
