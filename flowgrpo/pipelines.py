@@ -29,7 +29,10 @@ KINDS: tuple[str, ...] = ("sd3", "flux")
 PIPELINE_CLASSES: dict[str, type] = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}
 # model_index.json "_class_name" -> kind. Other classes (img2img, inpaint, ...) load only with an explicit kind.
 KIND_BY_CLASS_NAME: dict[str, str] = {cls.__name__: kind for kind, cls in PIPELINE_CLASSES.items()}
-TINY_SOURCES: dict[str, str] = {"tiny-sd3": "sd3", "tiny-flux": "flux"}
+# "-taesd": the tiny pipeline with a normalisation-free AutoencoderTiny (see flowgrpo.tiny.build_tiny_pipeline).
+TINY_SOURCES: dict[str, str] = {
+    "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-sd3-taesd": "sd3", "tiny-flux-taesd": "flux",
+}  # fmt: skip
 
 # Recent diffusers renamed from_pretrained's `torch_dtype` to `dtype` (the old name warns); older ones
 # (pyproject admits >= 0.32) know only `torch_dtype`.
@@ -160,7 +163,8 @@ def load_pipeline(
         raise ValueError(f"{source!r} is a {class_name} (kind {detected!r}), but kind={kind!r} was asked for")
 
     if source in TINY_SOURCES:
-        pipe = build_tiny_pipeline(kind, seed=0, dtype=torch_dtype)  # type: ignore[arg-type]
+        vae = "tiny" if source.endswith("-taesd") else "kl"
+        pipe = build_tiny_pipeline(kind, seed=0, dtype=torch_dtype, vae=vae)  # type: ignore[arg-type]
     else:
         try:
             pipe = PIPELINE_CLASSES[kind].from_pretrained(source, **{_DTYPE_KWARG: torch_dtype})

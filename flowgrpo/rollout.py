@@ -7,57 +7,17 @@ Everything model-specific goes through the adapter; everything stochastic throug
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from samplers import DIFFUSIONS, SDE_KINDS, SOLVERS, Transition, compress_schedule, dpmpp_2m_step, ode_step, sde_step
+from samplers import Transition, compress_schedule, dpmpp_2m_step, ode_step, sde_step
 
 from .adapters import PipelineAdapter, PromptEmbeds
-
-
-@dataclass
-class SamplerConfig:
-    """``sampler:`` section. How images are sampled during training (and, with noise 0, evaluated).
-
-    kind: ``euler_maruyama`` (Flow-GRPO / DanceGRPO), ``cps`` (coefficients-preserving) or ``langevin``
-        (LC-GRPO). diffusion: ``flowgrpo`` (g = a·sqrt(t/(1-t))) or ``dance`` (g = a), for E–M and Langevin.
-    score_eval: Langevin only, ``frozen`` (1 network call per step) or ``reeval`` (2 calls).
-    noise_level: a in the formulas (Flow-GRPO SD3 0.7, FLUX 0.9; DanceGRPO 0.3); 0 = the ODE.
-    num_steps: sampling steps T. guidance_scale: CFG scale (SD3) or guidance embedding (FLUX).
-    kappa: Langevin's cap on the step std, as a fraction of t_next.
-    post_window_solver / post_window_ratio: after the window, ``euler`` on the full schedule, or
-        ``dpmpp_2m`` on a schedule compressed to ``ratio`` of its steps (MixGRPO-Flash: dpmpp_2m, 0.4).
-    same_initial_noise: all images of a group start from the same noise.
-    """
-
-    kind: str = "euler_maruyama"
-    diffusion: str = "flowgrpo"
-    score_eval: str = "frozen"
-    noise_level: float = 0.7
-    num_steps: int = 10
-    guidance_scale: float = 4.5
-    kappa: float = 0.95
-    post_window_solver: str = "euler"
-    post_window_ratio: float = 1.0
-    same_initial_noise: bool = False
-
-    def __post_init__(self) -> None:
-        checks = {
-            "kind": (self.kind in SDE_KINDS, f"one of {SDE_KINDS}"),
-            "diffusion": (self.diffusion in DIFFUSIONS, f"one of {tuple(DIFFUSIONS)}"),
-            "score_eval": (self.score_eval in ("frozen", "reeval"), "'frozen' or 'reeval'"),
-            "noise_level": (self.noise_level >= 0, ">= 0"),
-            "num_steps": (self.num_steps >= 2, ">= 2"),
-            "post_window_solver": (self.post_window_solver in SOLVERS, f"one of {SOLVERS}"),
-            "post_window_ratio": (0 < self.post_window_ratio <= 1, "in (0, 1]"),
-        }
-        for key, (ok, expected) in checks.items():
-            if not ok:
-                raise ValueError(f"sampler.{key} must be {expected}, got {getattr(self, key)!r}")
+from .config import SamplerConfig
 
 
 @dataclass
@@ -97,20 +57,37 @@ class Trajectory:
     def num_trained_steps(self) -> int:
         return len(self.step_indices)
 
+    @staticmethod
+    def cat(parts: Sequence[Trajectory]) -> Trajectory:
+        """Join rollout batches taken with the same window and schedule into one trajectory."""
+        if not parts:
+            raise ValueError("Trajectory.cat needs at least one trajectory")
+        first = parts[0]
+        joined: dict[str, Any] = {}
+        for name in _PER_SAMPLE:
+            values = [getattr(p, name) for p in parts]
+            joined[name] = None if any(v is None for v in values) else torch.cat(values)
+        joined["prompts"] = [p for part in parts for p in part.prompts]
+        joined["metadata"] = [m for part in parts for m in part.metadata]
+        joined["embeds"] = PromptEmbeds.cat([p.embeds for p in parts])
+        return replace(first, **joined)
+
     def select(self, index: Tensor | Sequence[int]) -> Trajectory:
         """The samples ``index`` (a micro-batch), sharing the per-step fields."""
         index = torch.as_tensor(list(index) if not isinstance(index, Tensor) else index, dtype=torch.long)
-        per_sample = {"group_ids", "latents", "next_latents", "log_probs", "final_latents", "images"}
         picked: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in per_sample and value is not None:
-                picked[f.name] = value[index.to(value.device)]
+        for name in _PER_SAMPLE:
+            value = getattr(self, name)
+            if value is not None:
+                picked[name] = value[index.to(value.device)]
         picked["prompts"] = [self.prompts[i] for i in index.tolist()]
         picked["embeds"] = self.embeds.select(index)
         if self.metadata:
             picked["metadata"] = [self.metadata[i] for i in index.tolist()]
         return replace(self, **picked)
+
+
+_PER_SAMPLE = ("group_ids", "latents", "next_latents", "log_probs", "final_latents", "images")
 
 
 def _step_kwargs(sampler: SamplerConfig) -> dict[str, Any]:
@@ -152,8 +129,8 @@ def rollout(
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width)
     t_second = float(sigmas[1])
     after = window.stop if window else 0
-    if sampler.post_window_solver == "dpmpp_2m":
-        sigmas = compress_schedule(sigmas, after, sampler.post_window_ratio)
+    if sampler.post_window.solver == "dpmpp_2m":
+        sigmas = compress_schedule(sigmas, after, sampler.post_window.ratio)
     if initial_latents is None:
         x = adapter.initial_noise(
             len(prompts), height, width, generator=generator, group_ids=group_ids,
@@ -182,7 +159,7 @@ def rollout(
             log_probs.append(step.log_prob)
             stds.append(step.std.reshape(-1)[0] if step.std.numel() else step.std)
             x = step.sample
-        elif i >= after and sampler.post_window_solver == "dpmpp_2m":
+        elif i >= after and sampler.post_window.solver == "dpmpp_2m":
             x, prev_x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
             t_prev = t
         else:
@@ -215,23 +192,42 @@ def rollout(
 def evaluate_transitions(
     adapter: PipelineAdapter,
     trajectory: Trajectory,
-    step: int,
+    step: int | Tensor,
     sampler: SamplerConfig,
     *,
     log_prob_reduce: str = "mean",
 ) -> Transition:
-    """Re-score the stored transition ``step`` (position in the window) under the current weights.
+    """Re-score stored transitions under the current weights.
 
-    Runs the same forward path as the rollout (same guidance, same precision, same sigmas), so with
-    unchanged weights ``log_prob`` equals the stored one exactly. Gradients flow to the adapter's
-    parameters unless called under ``torch.no_grad()``; wrap in ``adapter.adapter_disabled()`` for the
-    reference model.
+    ``step`` is a position in the window, shared by the batch (int) or per sample (``[B]`` long tensor,
+    for shuffled timesteps). Runs the same forward path as the rollout (same guidance, precision and
+    sigmas), so with unchanged weights ``log_prob`` equals the stored one exactly. Gradients flow to the
+    adapter unless called under ``torch.no_grad()``; wrap in ``adapter.adapter_disabled()`` for the reference.
     """
-    x = trajectory.latents[:, step]
-    t, t_next = trajectory.sigmas[step], trajectory.sigmas_next[step]
+    x, t, t_next, prev = _stored(trajectory, step)
     embeds, gs = trajectory.embeds, trajectory.guidance_scale
     velocity_fn = lambda y, s: adapter.velocity(y, s, embeds, gs)  # noqa: E731
     return sde_step(
         sampler.kind, velocity_fn(x, t), x, t, t_next, t_second=trajectory.t_second, velocity_fn=velocity_fn,
-        prev_sample=trajectory.next_latents[:, step], reduce=log_prob_reduce, **_step_kwargs(sampler),
+        prev_sample=prev, reduce=log_prob_reduce, **_step_kwargs(sampler),
     )  # fmt: skip
+
+
+def stored_log_probs(trajectory: Trajectory, step: int | Tensor) -> Tensor:
+    """The rollout's log-probs ``[B]`` at window position ``step`` (int or per-sample ``[B]``)."""
+    if isinstance(step, int):
+        return trajectory.log_probs[:, step]
+    return trajectory.log_probs[torch.arange(len(trajectory)), step.to(trajectory.log_probs.device)]
+
+
+def _stored(trajectory: Trajectory, step: int | Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if isinstance(step, int):
+        return (trajectory.latents[:, step], trajectory.sigmas[step], trajectory.sigmas_next[step],
+                trajectory.next_latents[:, step])  # fmt: skip
+    if step.shape != (len(trajectory),):
+        raise ValueError(f"per-sample steps must have shape ({len(trajectory)},), got {tuple(step.shape)}")
+    rows = torch.arange(len(trajectory), device=trajectory.latents.device)
+    step = step.to(trajectory.latents.device)
+    sigma_step = step.to(trajectory.sigmas.device)
+    return (trajectory.latents[rows, step], trajectory.sigmas[sigma_step], trajectory.sigmas_next[sigma_step],
+            trajectory.next_latents[rows, step])  # fmt: skip

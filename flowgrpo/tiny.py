@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderTiny,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -189,7 +190,25 @@ def _vae(latent_channels: int, scaling_factor: float, shift_factor: float) -> Au
     )
 
 
-def _sd3_components(seed: int) -> dict[str, object]:
+def _tiny_autoencoder(latent_channels: int) -> AutoencoderTiny:
+    """A TAESD-style VAE (no GroupNorm): the latents' statistics reach the image, so image-level rewards such
+    as brightness respond to the policy. The output bias starts images mid-grey."""
+    vae = AutoencoderTiny(
+        latent_channels=latent_channels,
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        num_encoder_blocks=(1, 1),
+        num_decoder_blocks=(1, 1),
+        scaling_factor=1.0,
+        shift_factor=0.0,
+    )
+    last = [m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+    with torch.no_grad():
+        last.bias.fill_(0.5)  # the decoder's output lies in [0, 1] (decode maps it to [-1, 1])
+    return vae
+
+
+def _sd3_components(seed: int, vae: str = "kl") -> dict[str, object]:
     tok, tok_2, tok_3 = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
     s = seed * 16  # component offsets below stay < 16, so seeds never collide across pipelines
     return {
@@ -210,7 +229,8 @@ def _sd3_components(seed: int) -> dict[str, object]:
             qk_norm="rms_norm",
             dual_attention_layers=(0,),
         )),
-        "vae": _seeded(s + 1, lambda: _vae(16, scaling_factor=1.5305, shift_factor=0.0609)),  # SD3.5's
+        "vae": _seeded(s + 1, lambda: _vae(16, scaling_factor=1.5305, shift_factor=0.0609)  # SD3.5's factors
+                       if vae == "kl" else _tiny_autoencoder(16)),
         "text_encoder": _seeded(s + 2, lambda: CLIPTextModelWithProjection(_clip_config(tok, 8, 32))),
         "text_encoder_2": _seeded(s + 3, lambda: CLIPTextModelWithProjection(_clip_config(tok_2, 16, 32))),
         "text_encoder_3": _seeded(s + 4, lambda: _t5_encoder(tok_3)),
@@ -221,7 +241,7 @@ def _sd3_components(seed: int) -> dict[str, object]:
     }
 
 
-def _flux_components(seed: int) -> dict[str, object]:
+def _flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
     tok, tok_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     s = seed * 16
     return {
@@ -239,7 +259,8 @@ def _flux_components(seed: int) -> dict[str, object]:
             guidance_embeds=True,
             axes_dims_rope=(4, 4, 8),
         )),
-        "vae": _seeded(s + 1, lambda: _vae(4, scaling_factor=0.3611, shift_factor=0.1159)),  # FLUX's
+        "vae": _seeded(s + 1, lambda: _vae(4, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX's factors
+                       if vae == "kl" else _tiny_autoencoder(4)),
         "text_encoder": _seeded(s + 2, lambda: CLIPTextModel(_clip_config(tok, 32, 32))),
         "text_encoder_2": _seeded(s + 4, lambda: _t5_encoder(tok_2)),
         "tokenizer": tok,
@@ -258,13 +279,20 @@ def _flux_components(seed: int) -> dict[str, object]:
 
 
 def build_tiny_pipeline(
-    kind: TinyKind, seed: int = 0, dtype: torch.dtype = torch.float32
+    kind: TinyKind, seed: int = 0, dtype: torch.dtype = torch.float32, vae: Literal["kl", "tiny"] = "kl"
 ) -> StableDiffusion3Pipeline | FluxPipeline:
-    """A tiny random-weight SD3 or FLUX pipeline on CPU, in eval mode; same seed -> same weights."""
+    """A tiny random-weight SD3 or FLUX pipeline on CPU, in eval mode; same seed -> same weights.
+
+    vae: ``kl`` — an AutoencoderKL with the real model's scaling/shift factors (default); ``tiny`` — a
+    TAESD-style AutoencoderTiny without normalisation layers, on which image-level rewards (brightness)
+    respond to the policy: the CPU learning tests and the README's main job use it.
+    """
+    if vae not in ("kl", "tiny"):
+        raise ValueError(f"tiny pipeline vae must be 'kl' or 'tiny', got {vae!r}")
     if kind == "sd3":
-        pipe = StableDiffusion3Pipeline(**_sd3_components(seed))
+        pipe = StableDiffusion3Pipeline(**_sd3_components(seed, vae))
     elif kind == "flux":
-        pipe = FluxPipeline(**_flux_components(seed))
+        pipe = FluxPipeline(**_flux_components(seed, vae))
     else:
         raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
     if dtype != torch.float32:

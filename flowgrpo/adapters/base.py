@@ -40,6 +40,14 @@ class PromptEmbeds:
             index = torch.as_tensor(list(index), dtype=torch.long)
         return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
+    @staticmethod
+    def cat(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
+        values = {}
+        for f in fields(PromptEmbeds):
+            items = [getattr(p, f.name) for p in parts]
+            values[f.name] = None if any(v is None for v in items) else torch.cat(items)
+        return PromptEmbeds(**values)
+
     def to(self, device: torch.device | str) -> PromptEmbeds:
         return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
 

@@ -15,7 +15,8 @@ import time
 import torch
 
 from flowgrpo.adapters import make_adapter
-from flowgrpo.rollout import SamplerConfig, rollout
+from flowgrpo.config import SamplerConfig
+from flowgrpo.rollout import rollout
 from flowgrpo.tiny import build_tiny_pipeline
 
 GUIDANCE = {"sd3": 4.5, "flux": 3.5}

@@ -1,0 +1,394 @@
+"""Experiment configuration: typed sections, YAML presets, ``a.b=c`` overrides, validation before any work.
+
+Every field is documented once, here. A config file holds only the fields it changes; the rest take
+the defaults below. Errors are :class:`ConfigError` (the scripts print them and exit with code 2)
+naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from samplers import DIFFUSIONS, KL_CONVENTIONS, SDE_KINDS, SOLVERS, STRATEGIES
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message says which key, what was given, and what to do."""
+
+
+@dataclass
+class RunConfig:
+    """``run:`` where and how a run is recorded."""
+
+    name: str = "flowgrpo"
+    output_dir: str = "runs"  # each run gets output_dir/<name>-<time>/ (never overwritten)
+    seed: int = 42
+    epochs: int = 100  # sampling + training rounds
+    resume: str | None = None  # a checkpoint directory, a run directory, or "latest" (newest run of this name)
+    log_every: int = 1  # epochs between console log lines
+    trackers: list[str] = field(default_factory=list)  # accelerate trackers: "tensorboard", "wandb"
+    image_grid_every: int = 0  # epochs between image grids of sampled groups (0: never)
+    progress: bool = True  # progress bars on rank 0
+    max_nonfinite_steps: int = 5  # stop after this many NaN/inf losses in a row
+    debug_dump: bool = False  # per-rank dumps of groups/rewards/advantages and final adapter weights (tests)
+
+
+@dataclass
+class LoraSettings:
+    """``model.lora:`` peft LoRA on the transformer."""
+
+    rank: int = 32
+    alpha: float = 64
+    target_modules: str | list[str] = "default"  # "default": the family's attention (+FFN for FLUX) layers
+    init: str | bool = "gaussian"  # peft init_lora_weights: true (zero B), "gaussian", "pissa", ...
+    dropout: float = 0.0
+
+
+@dataclass
+class ModelConfig:
+    """``model:`` the pipeline to fine-tune."""
+
+    pretrained: str = "tiny-sd3"  # hub id, local diffusers directory, or "tiny-sd3" / "tiny-flux" (offline)
+    kind: str = "auto"  # sd3 | flux | auto (from model_index.json)
+    dtype: str = "fp32"  # weights: bf16 | fp16 | fp32 (sampler maths always fp32; LoRA weights fp32)
+    resolution: int = 512  # square images, pixels
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    attention: str = "sdpa"  # sdpa | xformers (CUDA only)
+    gradient_checkpointing: bool = False
+    negative_prompt: str = ""  # for CFG (SD3)
+
+
+@dataclass
+class WindowConfig:
+    """``sampler.window:`` which steps are SDE (and trained); see samplers.SlidingWindow."""
+
+    size: int = 0  # 0: every step but the last (Flow-GRPO); MixGRPO: 4
+    strategy: str = "progressive"  # progressive | random | decay | exp_decay
+    shift_interval: int = 25  # training iterations (epochs) per window position
+    stride: int = 1
+    roll_back: bool = False
+    max_start: int | None = None  # random: largest start (Flow-GRPO-Fast: about num_steps / 2)
+    decay_rate: float = 0.1
+    decay_threshold: int = 0
+
+
+@dataclass
+class PostWindowConfig:
+    """``sampler.post_window:`` how the steps after the window are integrated (MixGRPO-Flash)."""
+
+    solver: str = "euler"  # euler | dpmpp_2m
+    ratio: float = 1.0  # fraction of the tail's steps kept (Flash: 0.4 with dpmpp_2m)
+
+
+@dataclass
+class SamplerConfig:
+    """``sampler:`` how images are sampled during training.
+
+    kind: euler_maruyama (Flow-GRPO / DanceGRPO) | cps (coefficients-preserving) | langevin (LC-GRPO).
+    diffusion: flowgrpo (g = a·sqrt(t/(1-t))) | dance (g = a), for euler_maruyama and langevin.
+    score_eval: langevin only: frozen (1 network call per step) | reeval (2 calls, true corrector).
+    noise_level: a (Flow-GRPO SD3 0.7, FLUX 0.9; DanceGRPO 0.3); 0 gives the deterministic ODE.
+    """
+
+    kind: str = "euler_maruyama"
+    diffusion: str = "flowgrpo"
+    score_eval: str = "frozen"
+    noise_level: float = 0.7
+    num_steps: int = 10
+    guidance_scale: float = 4.5  # CFG scale (SD3) or guidance embedding (FLUX)
+    kappa: float = 0.95  # langevin: step std capped at kappa · t_next
+    batch_size: int = 8  # images per rollout batch, per process
+    window: WindowConfig = field(default_factory=WindowConfig)
+    post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
+    same_initial_noise: bool = False  # every image of a group starts from the same noise
+
+
+@dataclass
+class DataConfig:
+    """``data:`` prompt files: .txt (one prompt a line) or .jsonl ({"prompt": ..., other keys -> metadata})."""
+
+    train: str = "prompts/train.txt"
+    test: str | None = None
+
+
+@dataclass
+class AdvantageConfig:
+    """``grpo.advantage:`` A = (R - mean_group) / (std + 1e-4), clipped."""
+
+    std: str = "group"  # group | global (std over all rewards of the epoch)
+    clip: float = 5.0
+    per_reward: bool = False  # MixGRPO: advantages per reward, summed with the reward weights
+
+
+@dataclass
+class KLConfig:
+    """``grpo.kl:`` KL to the adapter-disabled model."""
+
+    beta: float = 0.0  # 0 skips the reference forward entirely
+    convention: str = "flowgrpo"  # exact | flowgrpo (std without sqrt(Δ), as Flow-GRPO's published β)
+
+
+@dataclass
+class GRPOConfig:
+    """``grpo:`` groups and the clipped objective."""
+
+    group_size: int = 24  # images per prompt (k)
+    groups_per_epoch: int = 48  # prompts per epoch, over all processes
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    clip_range: float = 1.0e-4  # ε of the ratio clip (mean-reduced log-probs, Flow-GRPO scale)
+    kl: KLConfig = field(default_factory=KLConfig)
+    log_prob_reduce: str = "mean"  # mean | sum over latent elements
+    shuffle_timesteps: bool = True  # each sample visits its trained steps in a random order
+    nan_policy: str = "error"  # non-finite rewards: error | drop (the affected groups get advantage 0)
+
+
+@dataclass
+class TrainConfig:
+    """``train:`` optimisation. One optimizer step per ``batch_size × accumulation`` samples × trained steps."""
+
+    batch_size: int = 8  # samples per training micro-batch, per process
+    gradient_accumulation: int = 1  # micro-batches per optimizer step (each contributes all its timesteps)
+    inner_epochs: int = 1  # passes over each epoch's samples
+    lr: float = 3.0e-4
+    weight_decay: float = 1.0e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1.0e-8
+    max_grad_norm: float = 1.0
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
+    ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9)
+
+
+@dataclass
+class EvalConfig:
+    """``eval:`` noise-free sampling on the test prompts."""
+
+    every: int = 0  # epochs between evaluations (0: never during training)
+    num_steps: int = 40
+    guidance_scale: float = 4.5
+    batch_size: int = 8
+    max_prompts: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint:`` saving."""
+
+    every: int = 20  # epochs between checkpoints (0: only at the end)
+    keep_last: int = 3
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: Any = field(default_factory=lambda: {"jpeg_compressibility": 1.0})  # {name: weight} or a list
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------- building from dicts
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _check_value(path: str, value: Any, tp: Any) -> Any:
+    """Light type check with the conversions YAML needs (int -> float)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _check_value(path, value, option)
+            except ConfigError as err:
+                errors.append(str(err))
+        names = " or ".join(_type_name(t) for t in typing.get_args(tp))
+        raise ConfigError(f"{path}: expected {names}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{path}: expected null, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_check_value(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return {type(None): "null", str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in types_:
+            close = difflib.get_close_matches(str(key), list(types_), n=1)
+            hint = f"; did you mean '{(path + '.') if path else ''}{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{full}'{hint} (valid keys here: {', '.join(types_)})")
+        tp = types_[key]
+        kwargs[key] = _build(tp, value, full) if _is_dataclass_type(tp) else _check_value(full, value, tp)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "rewards":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=[x, y]"]`` -> nested dict; values parsed as YAML (numbers, booleans, lists)."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value (for example train.lr=1e-4)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML preset, apply ``key=value`` overrides, build and validate the config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (see configs/ for presets)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    data = _merge(data, parse_overrides(overrides or []))
+    config = _build(Config, data, "")
+    validate(config)
+    return config
+
+
+def _one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{path} must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
+
+
+def validate(config: Config, world_size: int = 1) -> None:
+    """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes."""
+    s, g, t = config.sampler, config.grpo, config.train
+    _one_of("model.kind", config.model.kind, ("auto", "sd3", "flux"))
+    _one_of("model.dtype", config.model.dtype, ("bf16", "fp16", "fp32"))
+    _one_of("model.attention", config.model.attention, ("sdpa", "xformers"))
+    _one_of("sampler.kind", s.kind, SDE_KINDS)
+    _one_of("sampler.diffusion", s.diffusion, tuple(DIFFUSIONS))
+    _one_of("sampler.score_eval", s.score_eval, ("frozen", "reeval"))
+    _one_of("sampler.window.strategy", s.window.strategy, STRATEGIES)
+    _one_of("sampler.post_window.solver", s.post_window.solver, SOLVERS)
+    _one_of("grpo.advantage.std", g.advantage.std, ("group", "global"))
+    _one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
+    _one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
+    _one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
+    _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
+    positive = {
+        "model.resolution": config.model.resolution, "model.lora.rank": config.model.lora.rank,
+        "sampler.batch_size": s.batch_size, "grpo.groups_per_epoch": g.groups_per_epoch,
+        "train.batch_size": t.batch_size, "train.gradient_accumulation": t.gradient_accumulation,
+        "train.inner_epochs": t.inner_epochs, "run.epochs": config.run.epochs,
+        "eval.num_steps": config.eval.num_steps, "eval.batch_size": config.eval.batch_size,
+    }  # fmt: skip
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if s.num_steps < 2:
+        raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is always ODE), got {s.num_steps}")
+    if s.noise_level < 0 or (s.kind == "cps" and s.noise_level > 1):
+        raise ConfigError(f"sampler.noise_level must be >= 0 (<= 1 for cps), got {s.noise_level}")
+    if s.window.size > s.num_steps - 1 or s.window.size < 0:
+        raise ConfigError(
+            f"sampler.window.size={s.window.size} does not fit sampler.num_steps={s.num_steps}: at most "
+            f"{s.num_steps - 1} steps can be trained (the last is always ODE); set window.size <= {s.num_steps - 1}"
+        )
+    if not 0 < s.post_window.ratio <= 1:
+        raise ConfigError(f"sampler.post_window.ratio must lie in (0, 1], got {s.post_window.ratio}")
+    if g.group_size < 2:
+        raise ConfigError(f"grpo.group_size must be >= 2 (advantages compare images of one prompt), got {g.group_size}")
+    if g.clip_range <= 0 or g.kl.beta < 0 or t.lr <= 0:
+        raise ConfigError("grpo.clip_range and train.lr must be > 0 and grpo.kl.beta >= 0")
+    if not 0 <= t.ema < 1:
+        raise ConfigError(f"train.ema must lie in [0, 1), got {t.ema}")
+    total = g.group_size * g.groups_per_epoch
+    per_round = s.batch_size * world_size
+    if total % per_round:
+        raise ConfigError(
+            f"grpo.group_size × grpo.groups_per_epoch = {g.group_size} × {g.groups_per_epoch} = {total} images per "
+            f"epoch must divide evenly into rollout batches of sampler.batch_size × processes = {s.batch_size} × "
+            f"{world_size} = {per_round}; change grpo.groups_per_epoch or sampler.batch_size"
+        )
+    local = total // world_size
+    if local % t.batch_size:
+        raise ConfigError(
+            f"each process trains on {local} samples per epoch ({total} / {world_size} processes), which "
+            f"train.batch_size={t.batch_size} does not divide; pick a divisor of {local}"
+        )
+    if config.model.resolution % 16:
+        raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")

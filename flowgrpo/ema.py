@@ -1,0 +1,32 @@
+"""Exponential moving average of the trainable (adapter) weights, kept in float32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class EMA:
+    def __init__(self, params: Iterable[torch.nn.Parameter], decay: float) -> None:
+        if not 0 <= decay < 1:
+            raise ValueError(f"EMA decay must lie in [0, 1), got {decay}")
+        self.decay = decay
+        self.shadow = [p.detach().float().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self, params: Iterable[torch.nn.Parameter]) -> None:
+        for s, p in zip(self.shadow, params, strict=True):
+            s.lerp_(p.detach().float(), 1 - self.decay)
+
+    @torch.no_grad()
+    def copy_to(self, params: Iterable[torch.nn.Parameter]) -> None:
+        for s, p in zip(self.shadow, params, strict=True):
+            p.copy_(s.to(p.dtype))
+
+    def state_dict(self) -> dict[str, object]:
+        return {"decay": self.decay, "shadow": [s.clone() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.decay = float(state["decay"])
+        self.shadow = [s.clone() for s in state["shadow"]]

@@ -1,0 +1,335 @@
+"""The GRPO training loop: one loop for every model family and sampler.
+
+    accelerate launch scripts/train.py --config configs/<name>.yaml [key.sub=value ...]
+
+Each epoch: SAMPLING (rollouts with the SDE inside the window, rewards scored in the background),
+ADVANTAGES (rewards gathered from every process, group-relative advantages), TRAINING (every stored
+transition re-scored under the current weights, clipped ratio loss + β·KL to the adapter-disabled model,
+one backward per timestep, an optimizer step per accumulation cycle). Model specifics live in the
+adapter, sampler specifics in ``samplers``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, set_seed
+from tqdm.auto import tqdm
+
+from rewards import AsyncReward, apply_nan_policy, build_reward
+from samplers import SlidingWindow, transition_kl
+
+from .adapters import PipelineAdapter, make_adapter
+from .advantages import compute_advantages
+from .config import Config, ConfigError, validate
+from .data import PromptDataset, epoch_plan, rank_slice
+from .ema import EMA
+from .loss import grpo_loss
+from .pipelines import load_pipeline
+from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example too many non-finite losses in a row)."""
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must restore for an exact resume (besides weights and optimizer)."""
+
+    epoch: int = 0  # next epoch to run; also the sliding window's iteration
+    global_step: int = 0  # optimizer steps taken
+    nonfinite_in_a_row: int = 0
+    best_eval: float | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def make_window(config: Config) -> SlidingWindow:
+    w = config.sampler.window
+    return SlidingWindow(
+        config.sampler.num_steps, w.size, strategy=w.strategy, shift_interval=w.shift_interval, stride=w.stride,
+        roll_back=w.roll_back, seed=config.run.seed, max_start=w.max_start, decay_rate=w.decay_rate,
+        decay_threshold=w.decay_threshold,
+    )  # fmt: skip
+
+
+def build_adapter(config: Config, device: torch.device) -> PipelineAdapter:
+    m = config.model
+    pipe = load_pipeline(m.pretrained, kind=m.kind, dtype=m.dtype, device=device)
+    adapter = make_adapter(pipe, negative_prompt=m.negative_prompt)
+    adapter.check_size(m.resolution, m.resolution)
+    adapter.set_attention_backend(m.attention)
+    adapter.add_lora(m.lora.rank, m.lora.alpha, m.lora.target_modules, m.lora.init, m.lora.dropout)
+    if m.gradient_checkpointing:
+        adapter.enable_gradient_checkpointing()
+    return adapter
+
+
+def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    t = config.train
+    kwargs = {"lr": t.lr, "weight_decay": t.weight_decay, "betas": tuple(t.betas), "eps": t.eps}
+    if t.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("train.optimizer=adamw8bit needs `pip install bitsandbytes`; or use adamw") from None
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+class GRPOTrainer:
+    """Holds the pieces; ``fit()`` runs the loop. Set up everything (and fail) before the first epoch."""
+
+    def __init__(self, config: Config, run_dir: Path | None = None) -> None:
+        self.config = config
+        self.accelerator = Accelerator(log_with=config.run.trackers or None)
+        acc = self.accelerator
+        validate(config, world_size=acc.num_processes)
+        self.train_data = PromptDataset.from_file(config.data.train, "data.train")
+        self.test_data = PromptDataset.from_file(config.data.test, "data.test") if config.data.test else None
+        set_seed(config.run.seed, device_specific=True)
+        self.run_dir = self._make_run_dir(run_dir)
+        self.adapter = build_adapter(config, acc.device)
+        self.params = self.adapter.trainable_parameters()
+        self.optimizer = make_optimizer(config, self.params)
+        self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
+        self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
+        self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
+        self.window = make_window(config)
+        self.state = TrainState()
+        # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
+        self.generator = torch.Generator(device="cpu")
+        if acc.is_main_process:
+            (self.run_dir / "config.yaml").write_text(config.to_yaml())
+            acc.init_trackers(config.run.name, config=_flat(config.to_dict()))
+
+    # ------------------------------------------------------------------ setup helpers
+    def _make_run_dir(self, run_dir: Path | None) -> Path:
+        acc = self.accelerator
+        if run_dir is None and acc.is_main_process:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            base = Path(self.config.run.output_dir) / f"{self.config.run.name}-{stamp}"
+            run_dir, n = base, 1
+            while run_dir.exists():  # never overwrite another run
+                run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+        holder = [str(run_dir) if run_dir is not None else None]
+        if acc.num_processes > 1:
+            broadcast_object_list(holder)
+        path = Path(holder[0])
+        if acc.is_main_process:
+            path.mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
+        return path
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> TrainState:
+        cfg, acc = self.config, self.accelerator
+        bar = tqdm(range(self.state.epoch, cfg.run.epochs), desc="epochs", initial=self.state.epoch,
+                   total=cfg.run.epochs, disable=not (cfg.run.progress and acc.is_main_process))  # fmt: skip
+        for epoch in bar:
+            metrics = self.run_epoch(epoch)
+            self.state.epoch = epoch + 1
+            self.state.history.append(metrics)
+            self._log(metrics, epoch)
+            bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
+        self._finish()
+        return self.state
+
+    def run_epoch(self, epoch: int) -> dict[str, float]:
+        cfg, acc = self.config, self.accelerator
+        timings: dict[str, float] = {}
+        window = self.window.steps(epoch)
+
+        # ================================ SAMPLING ================================
+        start = time.perf_counter()
+        self.generator.manual_seed(cfg.run.seed * 1_000_003 + epoch * 1_009 + self.rank)
+        plan = rank_slice(
+            epoch_plan(len(self.train_data), cfg.grpo.group_size, cfg.grpo.groups_per_epoch, seed=cfg.run.seed,
+                       epoch=epoch),
+            self.rank, acc.num_processes,
+        )  # fmt: skip
+        scorer = AsyncReward(self.reward, max_pending=2)
+        parts: list[Trajectory] = []
+        self.adapter.transformer.eval()
+        batches = [plan[i : i + cfg.sampler.batch_size] for i in range(0, len(plan), cfg.sampler.batch_size)]
+        for batch in tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not self._bars):
+            prompts = [self.train_data.prompts[s.prompt_index] for s in batch]
+            metadata = [dict(self.train_data.metadata[s.prompt_index]) for s in batch]
+            traj = rollout(
+                self.adapter, prompts, [s.group_id for s in batch], cfg.sampler, window, self.generator,
+                height=cfg.model.resolution, width=cfg.model.resolution, log_prob_reduce=cfg.grpo.log_prob_reduce,
+                metadata=metadata,
+            )  # fmt: skip
+            scorer.submit(traj.images, prompts, metadata)  # scored while the next batch samples
+            parts.append(traj)
+        trajectory = Trajectory.cat(parts)
+        timings["time/sampling"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with scorer:
+            local_scores = _cat_scores(scorer.results())
+        timings["time/reward_wait"] = time.perf_counter() - start
+
+        # ================================ ADVANTAGES ================================
+        keys = sorted(local_scores)
+        gathered = {k: acc.gather(local_scores[k].to(acc.device)).cpu() for k in keys}
+        all_group_ids = acc.gather(trajectory.group_ids.to(acc.device)).cpu()
+        keep, dropped = apply_nan_policy(gathered, all_group_ids, cfg.grpo.nan_policy, keys=list(self.reward.weights))
+        clean = {k: torch.where(keep, v, torch.zeros_like(v)) for k, v in gathered.items()}
+        advantages_all = compute_advantages(
+            clean, self.reward.weights, all_group_ids, std=cfg.grpo.advantage.std, clip=cfg.grpo.advantage.clip,
+            per_reward=cfg.grpo.advantage.per_reward,
+        ) * keep  # fmt: skip
+        n_local = len(trajectory)
+        # gather() concatenates in process order, so this process's rows are one contiguous block.
+        advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]
+        if cfg.run.debug_dump:
+            self._dump(f"epoch{epoch}", group_ids=trajectory.group_ids, local_total=local_scores["total"],
+                       all_total=gathered["total"], all_group_ids=all_group_ids, advantages=advantages,
+                       advantages_all=advantages_all)  # fmt: skip
+
+        # ================================ TRAINING ================================
+        start = time.perf_counter()
+        stats = self.train_on(trajectory, advantages, epoch)
+        timings["time/training"] = time.perf_counter() - start
+
+        metrics: dict[str, float] = {"epoch": epoch, "global_step": self.state.global_step,
+                                     "window/start": window.start if window else -1, "window/size": len(window),
+                                     "reward/dropped_groups": dropped}  # fmt: skip
+        for k, v in gathered.items():
+            finite = v[torch.isfinite(v)]
+            metrics[f"reward/{k}/mean"] = finite.mean().item() if len(finite) else math.nan
+            metrics[f"reward/{k}/std"] = finite.std().item() if len(finite) > 1 else 0.0
+        metrics.update({"advantage/mean": advantages_all.mean().item(), "advantage/std": advantages_all.std().item(),
+                        "advantage/abs_mean": advantages_all.abs().mean().item()})  # fmt: skip
+        metrics.update(stats)
+        metrics.update(timings)
+        metrics["images_per_s"] = len(all_group_ids) / max(timings["time/sampling"] + timings["time/reward_wait"], 1e-9)
+        return metrics
+
+    def train_on(self, trajectory: Trajectory, advantages: torch.Tensor, epoch: int) -> dict[str, float]:
+        """Inner epochs over this process's samples: micro-batches × trained timesteps, backward per timestep."""
+        cfg, acc = self.config, self.accelerator
+        model = self.adapter.transformer
+        model.train()
+        n, steps = len(trajectory), trajectory.num_trained_steps
+        if steps == 0:
+            return {}
+        shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
+        per_update = steps * cfg.train.gradient_accumulation  # backward passes per optimizer step
+        sums: dict[str, list[float]] = defaultdict(list)
+        backwards = 0
+        for _ in range(cfg.train.inner_epochs):
+            order = torch.randperm(n, generator=shuffle)
+            micro_batches = [order[i : i + cfg.train.batch_size] for i in range(0, n, cfg.train.batch_size)]
+            for mb in tqdm(micro_batches, desc=f"training e{epoch}", leave=False, disable=not self._bars):
+                sub, adv = trajectory.select(mb), advantages[mb].to(acc.device)
+                if cfg.grpo.shuffle_timesteps:
+                    positions = torch.stack([torch.randperm(steps, generator=shuffle) for _ in range(len(mb))])
+                else:
+                    positions = torch.arange(steps).expand(len(mb), steps)
+                for j in range(steps):
+                    backwards += 1
+                    sync = backwards % per_update == 0
+                    loss, stats = self._loss(sub, positions[:, j], adv)
+                    finite = acc.gather(torch.isfinite(loss.detach()).reshape(1).float()).min().item() == 1.0
+                    if finite:
+                        ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
+                        with ctx:
+                            acc.backward(loss / per_update)
+                        for k, v in stats._asdict().items():
+                            sums[k].append(v.item())
+                    else:
+                        self._skip_nonfinite()
+                    if sync:
+                        sums["grad_norm"].append(float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)))
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                        if self.ema is not None:
+                            self.ema.update(self.params)
+                        self.state.global_step += 1
+                        if finite:
+                            self.state.nonfinite_in_a_row = 0
+        model.eval()
+        out = {f"train/{k}": sum(v) / len(v) for k, v in sums.items() if v}
+        for k in ("ratio_min", "ratio_max"):
+            if sums.get(k):
+                out[f"train/{k}"] = (min if k.endswith("min") else max)(sums[k])
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def _loss(self, sub: Trajectory, positions: torch.Tensor, advantages: torch.Tensor):
+        cfg = self.config
+        new = evaluate_transitions(self.adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
+        kl = None
+        if cfg.grpo.kl.beta > 0:  # β = 0 skips the reference forward entirely
+            with torch.no_grad(), self.adapter.adapter_disabled():
+                ref = evaluate_transitions(self.adapter, sub, positions, cfg.sampler,
+                                           log_prob_reduce=cfg.grpo.log_prob_reduce)  # fmt: skip
+            kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
+        old = stored_log_probs(sub, positions).to(new.log_prob.device)
+        return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
+
+    def _skip_nonfinite(self) -> None:
+        self.state.nonfinite_in_a_row += 1
+        self.accelerator.print(f"warning: non-finite loss, step skipped ({self.state.nonfinite_in_a_row} in a row)")
+        if self.state.nonfinite_in_a_row >= self.config.run.max_nonfinite_steps:
+            raise TrainingError(
+                f"{self.state.nonfinite_in_a_row} non-finite losses in a row: lower train.lr, check the rewards, "
+                f"or raise run.max_nonfinite_steps"
+            )
+
+    # ------------------------------------------------------------------ logging and output
+    @property
+    def _bars(self) -> bool:
+        return self.config.run.progress and self.accelerator.is_main_process
+
+    def _log(self, metrics: dict[str, float], epoch: int) -> None:
+        acc = self.accelerator
+        acc.log(metrics, step=epoch)
+        if acc.is_main_process:
+            with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if epoch % self.config.run.log_every == 0:
+                shown = {k: metrics[k] for k in ("reward/total/mean", "train/loss", "train/ratio_mean",
+                                                 "train/clip_fraction", "train/kl", "train/grad_norm") if k in metrics}
+                acc.print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))  # fmt: skip
+
+    def _dump(self, name: str, **tensors: torch.Tensor) -> None:
+        folder = self.run_dir / "debug"
+        folder.mkdir(exist_ok=True)
+        torch.save({k: v.detach().cpu() for k, v in tensors.items()}, folder / f"{name}_rank{self.rank}.pt")
+
+    def _finish(self) -> None:
+        acc = self.accelerator
+        if self.config.run.debug_dump:
+            self._dump("final", **{f"p{i}": p for i, p in enumerate(self.params)})
+        acc.wait_for_everyone()
+        acc.end_training()
+
+
+def _cat_scores(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([b[k] for b in batches]).float() for k in batches[0]}
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, int | float | str | bool) else str(v)
+    return out

@@ -1,0 +1,36 @@
+"""Train: ``accelerate launch scripts/train.py --config configs/<name>.yaml [key.sub=value ...]`` (or ``python``).
+
+Configuration problems (unknown keys, bad values, missing prompt files, models that cannot be loaded)
+print one paragraph and exit with code 2, before any training work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GRPO fine-tuning of flow-matching image models.")
+    parser.add_argument("--config", help="YAML preset (configs/*.yaml); fields not given take their defaults")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=1e-4 run.epochs=3")
+    args = parser.parse_args(argv)
+
+    from flowgrpo.config import load_config
+    from flowgrpo.trainer import GRPOTrainer
+
+    try:
+        config = load_config(args.config, args.overrides)
+        trainer = GRPOTrainer(config)
+    except ValueError as err:  # ConfigError, DataError, PipelineLoadError, bad sizes / reward specs
+        print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
+        return 2
+    trainer.accelerator.print(f"run directory: {trainer.run_dir}")
+    trainer.fit()
+    trainer.accelerator.print(f"done: {trainer.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
