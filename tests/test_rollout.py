@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from flowgrpo.adapters import make_adapter, unwrap
+from flowgrpo.config import PostWindowConfig, SamplerConfig
 from flowgrpo.pipelines import load_pipeline
-from flowgrpo.rollout import SamplerConfig, evaluate_transitions, rollout
+from flowgrpo.rollout import evaluate_transitions, rollout
 from flowgrpo.tiny import build_tiny_pipeline
 
 SIZE = 32
@@ -98,8 +99,8 @@ def test_window_stores_exactly_its_steps_and_mixgrpo_flash_compresses_the_tail(k
         (range(2, 5), "dpmpp_2m", 0.4, 5 + max(int((steps - 5) * 0.4), 1)),
     ]:
         calls.clear()
-        sampler = SamplerConfig(num_steps=steps, guidance_scale=GUIDANCE[kind], post_window_solver=solver,
-                                post_window_ratio=ratio)  # fmt: skip
+        sampler = SamplerConfig(num_steps=steps, guidance_scale=GUIDANCE[kind],
+                                post_window=PostWindowConfig(solver=solver, ratio=ratio))  # fmt: skip
         traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
                        height=SIZE, width=SIZE)  # fmt: skip
         assert traj.num_trained_steps == len(window) == traj.latents.shape[1] == traj.next_latents.shape[1]
@@ -190,8 +191,8 @@ def test_bad_inputs_raise_clear_errors():
         rollout(adapter, ["a", "b"], [0], sampler, range(0, 1), height=32, width=32)
     with pytest.raises(ValueError, match="last is ODE"):
         rollout(adapter, ["a"], [0], sampler, range(0, 3), height=32, width=32)
-    with pytest.raises(ValueError, match="sampler.kind"):
-        SamplerConfig(kind="ddim")
+    with pytest.raises(ValueError, match="sampler kind"):
+        rollout(adapter, ["a"], [0], SamplerConfig(kind="ddim", num_steps=3), range(0, 1), height=32, width=32)
     with pytest.raises(ValueError, match="sd3"):
         load_pipeline("tiny-sd3", kind="sdxl")
     with pytest.raises(ValueError, match="no adapter"):
@@ -200,3 +201,18 @@ def test_bad_inputs_raise_clear_errors():
         adapter.add_lora(rank=2, target_modules=["no_such_layer"])
     with pytest.raises(ValueError, match="xformers|CUDA"):
         adapter.set_attention_backend("xformers")
+
+
+def test_per_sample_shuffled_steps_rescore_exactly(kind):
+    adapter = _adapter(kind)
+    sampler = SamplerConfig(noise_level=0.7, num_steps=6, guidance_scale=GUIDANCE[kind])
+    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 5), torch.Generator().manual_seed(2),
+                   height=SIZE, width=SIZE)  # fmt: skip
+    steps = torch.tensor([4, 0, 2, 1])
+    with torch.no_grad():
+        again = evaluate_transitions(adapter, traj, steps, sampler)
+    from flowgrpo.rollout import stored_log_probs
+
+    expected = stored_log_probs(traj, steps)
+    assert torch.equal(expected, traj.log_probs[torch.arange(4), steps])
+    torch.testing.assert_close(again.log_prob, expected, rtol=1e-6, atol=1e-6)
