@@ -238,6 +238,11 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         (item,) = typing.get_args(tp) or (Any,)
         return [_check_value(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)

@@ -230,7 +230,7 @@ class GRPOTrainer:
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
         per_update = steps * cfg.train.gradient_accumulation  # backward passes per optimizer step
         sums: dict[str, list[float]] = defaultdict(list)
-        backwards = 0
+        backwards = updates = 0
         for _ in range(cfg.train.inner_epochs):
             order = torch.randperm(n, generator=shuffle)
             micro_batches = [order[i : i + cfg.train.batch_size] for i in range(0, n, cfg.train.batch_size)]
@@ -251,6 +251,9 @@ class GRPOTrainer:
                             acc.backward(loss / per_update)
                         for k, v in stats._asdict().items():
                             sums[k].append(v.item())
+                        if updates == 0:  # still on-policy: the ratio must be exactly 1
+                            sums["onpolicy_ratio_dev"].append(
+                                max(stats.ratio_max.item() - 1.0, 1.0 - stats.ratio_min.item()))
                     else:
                         self._skip_nonfinite()
                     if sync:
@@ -260,13 +263,14 @@ class GRPOTrainer:
                         if self.ema is not None:
                             self.ema.update(self.params)
                         self.state.global_step += 1
+                        updates += 1
                         if finite:
                             self.state.nonfinite_in_a_row = 0
         model.eval()
         out = {f"train/{k}": sum(v) / len(v) for k, v in sums.items() if v}
-        for k in ("ratio_min", "ratio_max"):
+        for k, pick in (("ratio_min", min), ("ratio_max", max), ("onpolicy_ratio_dev", max)):
             if sums.get(k):
-                out[f"train/{k}"] = (min if k.endswith("min") else max)(sums[k])
+                out[f"train/{k}"] = pick(sums[k])
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 

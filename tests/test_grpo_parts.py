@@ -1,0 +1,160 @@
+"""Advantages, the clipped loss, configs and the epoch plan, against formulas written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.advantages import compute_advantages, group_advantages
+from flowgrpo.config import Config, ConfigError, load_config, parse_overrides, validate
+from flowgrpo.data import DataError, PromptDataset, epoch_plan, rank_slice
+from flowgrpo.loss import grpo_loss
+
+
+# ---------------------------------------------------------------- advantages
+def test_group_advantages_match_the_formula():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 13.0])
+    groups = torch.tensor([7, 7, 7, 3, 3, 3])
+    adv = group_advantages(rewards, groups, clip=100.0)
+    expected = torch.empty(6)
+    for g in (7, 3):
+        m = groups == g
+        expected[m] = (rewards[m] - rewards[m].mean()) / (rewards[m].std() + 1e-4)
+    torch.testing.assert_close(adv, expected)
+    glob = group_advantages(rewards, groups, std="global", clip=100.0)
+    means = torch.tensor([2.0, 2, 2, 11, 11, 11])
+    torch.testing.assert_close(glob, (rewards - means) / (rewards.std() + 1e-4))
+
+
+def test_group_advantages_interleaved_groups_clip_and_constant_group():
+    rewards = torch.tensor([0.0, 5.0, 1.0, 5.0, 1000.0, 5.0, 2.0, 5.0])
+    groups = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])
+    adv = group_advantages(rewards, groups, clip=1.0)
+    assert adv.abs().max() <= 1.0
+    assert torch.equal(adv[groups == 1], torch.zeros(4))  # identical rewards: no signal
+    with pytest.raises(ValueError, match="at least 2"):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]))
+
+
+def test_per_reward_advantages_are_weighted_sums():
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    a = torch.tensor([1.0, 2.0, 4.0, 0.0, 1.0, 0.5])
+    b = torch.tensor([100.0, 300.0, 200.0, 5.0, 5.0, 6.0])
+    scores = {"a": a, "b": b, "total": 1.0 * a + 0.5 * b}
+    weights = {"a": 1.0, "b": 0.5}
+    per = compute_advantages(scores, weights, groups, per_reward=True, clip=100.0)
+    expected = group_advantages(a, groups, clip=100.0) + 0.5 * group_advantages(b, groups, clip=100.0)
+    torch.testing.assert_close(per, expected)
+    torch.testing.assert_close(compute_advantages(scores, weights, groups), group_advantages(scores["total"], groups))
+
+
+# ---------------------------------------------------------------- loss
+def test_grpo_loss_matches_the_clipped_objective():
+    old = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    new = torch.tensor([-0.9, -1.1, -0.9, -1.0], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0])
+    eps = 0.05
+    loss, stats = grpo_loss(new, old, adv, clip_range=eps)
+    r = torch.exp(new.detach() - old)
+    expected = torch.maximum(-adv * r, -adv * r.clamp(1 - eps, 1 + eps)).mean()
+    torch.testing.assert_close(loss.detach(), expected)
+    torch.testing.assert_close(stats.clip_fraction, torch.tensor(0.75))
+    loss.backward()
+    # Pessimistic bound: A>0 with r>1+ε is clipped (no gradient); A>0 with r<1-ε and A<0 with r>1+ε are not.
+    assert new.grad[0] == 0
+    torch.testing.assert_close(new.grad[1], -adv[1] * r[1] / 4)
+    torch.testing.assert_close(new.grad[2], -adv[2] * r[2] / 4)
+    torch.testing.assert_close(new.grad[3], torch.tensor(-2.0 / 4))  # ratio 1: d(-A r)/dlogp = -A r / B
+
+
+def test_grpo_loss_on_policy_and_kl_term():
+    logp = torch.randn(5)
+    adv = torch.randn(5)
+    kl = torch.rand(5)
+    loss, stats = grpo_loss(logp, logp.clone(), adv, clip_range=1e-4, kl=kl, beta=0.04)
+    assert stats.ratio_mean == 1 and stats.ratio_min == 1 and stats.ratio_max == 1 and stats.clip_fraction == 0
+    torch.testing.assert_close(loss, -adv.mean() + 0.04 * kl.mean())
+
+
+# ---------------------------------------------------------------- config
+def _write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_config_overrides_types_and_defaults(tmp_path):
+    path = _write(tmp_path, "sampler: {num_steps: 12, window: {size: 4}}\ntrain: {lr: 1}\n")
+    config = load_config(path, ["train.lr=2e-4", "sampler.window.strategy=random", "rewards={ocr: 1.0}"])
+    assert config.sampler.num_steps == 12 and config.sampler.window.size == 4
+    assert config.train.lr == 2e-4 and isinstance(config.train.lr, float)
+    assert config.sampler.window.strategy == "random" and config.rewards == {"ocr": 1.0}
+    assert config.grpo.clip_range == Config().grpo.clip_range
+    assert parse_overrides(["a.b.c=[1, 2]"]) == {"a": {"b": {"c": [1, 2]}}}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.lrr=1"], r"unknown config key 'train.lrr'; did you mean 'train.lr'"),
+        (["sampler.kind=ddim"], r"sampler.kind must be one of"),
+        (["sampler.window.size=20", "sampler.num_steps=10"], r"window.size=20 .* at most 9"),
+        (["grpo.group_size=5", "grpo.groups_per_epoch=3", "sampler.batch_size=4"], r"15 images per epoch"),
+        (["train.lr=fast"], r"train.lr: expected a number"),
+        (["grpo.group_size=1"], r"group_size must be >= 2"),
+        (["oops"], r"key.sub=value"),
+    ],
+)
+def test_config_errors_name_key_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_batch_arithmetic_uses_the_world_size():
+    config = load_config(None, ["grpo.group_size=4", "grpo.groups_per_epoch=4", "sampler.batch_size=4",
+                                "train.batch_size=8"])  # fmt: skip
+    validate(config, world_size=1)
+    validate(config, world_size=2)
+    with pytest.raises(ConfigError, match="processes = 4 × 3"):
+        validate(config, world_size=3)
+    with pytest.raises(ConfigError, match="train.batch_size=8 does not divide"):
+        validate(config, world_size=4)
+
+
+def test_every_preset_in_configs_is_valid():
+    from pathlib import Path
+
+    presets = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    assert presets
+    for path in presets:
+        load_config(path)
+
+
+# ---------------------------------------------------------------- data
+def test_prompt_files(tmp_path):
+    txt = _write(tmp_path, "a cat\n\n  a dog  \n", "p.txt")
+    assert PromptDataset.from_file(txt).prompts == ["a cat", "a dog"]
+    jsonl = _write(tmp_path, '{"prompt": "two cats", "tag": "counting"}\n{"prompt": "a sign", "text": "hi"}\n',
+                   "p.jsonl")  # fmt: skip
+    data = PromptDataset.from_file(jsonl)
+    assert data.prompts == ["two cats", "a sign"] and data.metadata == [{"tag": "counting"}, {"text": "hi"}]
+    with pytest.raises(DataError, match="does not exist"):
+        PromptDataset.from_file(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="no prompts"):
+        PromptDataset.from_file(_write(tmp_path, "\n \n", "empty.txt"))
+    with pytest.raises(DataError, match=":2 needs"):
+        PromptDataset.from_file(_write(tmp_path, '{"prompt": "x"}\n{"text": 1}\n', "bad.jsonl"))
+
+
+def test_epoch_plan_groups_are_complete_deterministic_and_span_ranks():
+    plan = epoch_plan(10, group_size=4, groups_per_epoch=6, seed=3, epoch=2)
+    assert plan == epoch_plan(10, group_size=4, groups_per_epoch=6, seed=3, epoch=2)
+    assert plan != epoch_plan(10, group_size=4, groups_per_epoch=6, seed=3, epoch=3)
+    ids = [s.group_id for s in plan]
+    assert sorted(set(ids)) == list(range(12, 18)) and all(ids.count(g) == 4 for g in set(ids))
+    for g in set(ids):  # every copy of a group is the same prompt
+        assert len({s.prompt_index for s in plan if s.group_id == g}) == 1
+    assert len({s.prompt_index for s in plan}) == 6  # without replacement when the file is big enough
+    shards = [rank_slice(plan, r, 2) for r in range(2)]
+    assert shards[0] + shards[1] == plan
+    assert {s.group_id for s in shards[0]} & {s.group_id for s in shards[1]}  # some group spans both ranks
