@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .advantages import compute_advantages
 from .config import Config, ConfigError, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
+from .evaluation import evaluate, write_report
 from .loss import grpo_loss
 from .pipelines import load_pipeline
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
@@ -91,20 +93,24 @@ class GRPOTrainer:
 
     def __init__(self, config: Config, run_dir: Path | None = None) -> None:
         self.config = config
-        self.accelerator = Accelerator(log_with=config.run.trackers or None)
+        # A multi-process launch on a machine without GPUs (``accelerate launch --multi_gpu`` / torchrun) runs on
+        # the CPU with gloo; accelerate's own ``--cpu --num_processes N`` starts a single process unless given mpirun.
+        on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+        self.accelerator = Accelerator(log_with=config.run.trackers or None, cpu=on_cpu)
         acc = self.accelerator
         validate(config, world_size=acc.num_processes)
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
         self.test_data = PromptDataset.from_file(config.data.test, "data.test") if config.data.test else None
         set_seed(config.run.seed, device_specific=True)
-        self.run_dir = self._make_run_dir(run_dir)
+        # Everything that can fail on a bad config runs before the run directory is created.
+        self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
         self.adapter = build_adapter(config, acc.device)
         self.params = self.adapter.trainable_parameters()
         self.optimizer = make_optimizer(config, self.params)
         self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
         self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
-        self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
         self.window = make_window(config)
+        self.run_dir = self._make_run_dir(run_dir)
         self.state = TrainState()
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")
@@ -139,9 +145,14 @@ class GRPOTrainer:
         cfg, acc = self.config, self.accelerator
         bar = tqdm(range(self.state.epoch, cfg.run.epochs), desc="epochs", initial=self.state.epoch,
                    total=cfg.run.epochs, disable=not (cfg.run.progress and acc.is_main_process))  # fmt: skip
+        every = cfg.eval.every
+        if every and self.state.epoch == 0:
+            self._log({"epoch": 0, **self.run_eval(0)}, 0)
         for epoch in bar:
             metrics = self.run_epoch(epoch)
             self.state.epoch = epoch + 1
+            if every and (epoch + 1) % every == 0:
+                metrics.update(self.run_eval(epoch + 1))
             self.state.history.append(metrics)
             self._log(metrics, epoch)
             bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
@@ -286,6 +297,24 @@ class GRPOTrainer:
         old = stored_log_probs(sub, positions).to(new.log_prob.device)
         return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
 
+    def run_eval(self, epoch: int) -> dict[str, float]:
+        """ODE sampling on the test prompts (rank 0; the others wait); ``eval/...`` metrics and a report."""
+        acc = self.accelerator
+        metrics: dict[str, float] = {}
+        if self.test_data is not None and acc.is_main_process:
+            with self.adapter.unwrapped():
+                summary, images, prompts, scores = evaluate(
+                    self.adapter, self.test_data, self.reward, self.config.eval,
+                    resolution=self.config.model.resolution, seed=self.config.run.seed, progress=self._bars,
+                )  # fmt: skip
+            write_report(self.run_dir / "eval", summary, images, prompts, scores, name=f"epoch{epoch:05d}")
+            metrics = {f"eval/{k}": v for k, v in summary.items()}
+            total = summary.get("total")
+            if total is not None and (self.state.best_eval is None or total > self.state.best_eval):
+                self.state.best_eval = total
+        acc.wait_for_everyone()
+        return metrics
+
     def _skip_nonfinite(self) -> None:
         self.state.nonfinite_in_a_row += 1
         self.accelerator.print(f"warning: non-finite loss, step skipped ({self.state.nonfinite_in_a_row} in a row)")
@@ -307,7 +336,7 @@ class GRPOTrainer:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(metrics) + "\n")
             if epoch % self.config.run.log_every == 0:
-                shown = {k: metrics[k] for k in ("reward/total/mean", "train/loss", "train/ratio_mean",
+                shown = {k: metrics[k] for k in ("reward/total/mean", "eval/total", "train/loss", "train/ratio_mean",
                                                  "train/clip_fraction", "train/kl", "train/grad_norm") if k in metrics}
                 acc.print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))  # fmt: skip
 

@@ -245,9 +245,8 @@ def test_custom_reward_outputs_are_coerced(tmp_path, monkeypatch):
     assert np.isfinite(out["total"].numpy()).all()
 
 
-def test_brightness_is_the_mean_luma():
+def test_brightness_is_the_mean_pixel_value():
     images = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     out = build_reward({"brightness": 2.0})(images, ["a", "b", "c"])
-    luma = 0.299 * images[:, 0] + 0.587 * images[:, 1] + 0.114 * images[:, 2]
-    torch.testing.assert_close(out["brightness"], luma.mean(dim=(1, 2)))
+    torch.testing.assert_close(out["brightness"], images.mean(dim=(1, 2, 3)))
     torch.testing.assert_close(out["total"], 2 * out["brightness"])

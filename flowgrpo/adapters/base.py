@@ -269,6 +269,16 @@ class PipelineAdapter:
         finally:
             model.enable_adapters()
 
+    @contextlib.contextmanager
+    def unwrapped(self) -> Iterator[None]:
+        """Forward through the bare transformer (rank-0-only work such as evaluation under DDP)."""
+        wrapped = self.transformer
+        self.transformer = unwrap(wrapped)
+        try:
+            yield
+        finally:
+            self.transformer = wrapped
+
     def enable_gradient_checkpointing(self) -> None:
         unwrap(self.transformer).enable_gradient_checkpointing()
 

@@ -1,0 +1,106 @@
+"""Noise-free evaluation on a prompt file: every configured reward, per-tag means, an image grid, a report.
+
+The same routine runs every ``eval.every`` epochs during training and from ``scripts/evaluate.py``.
+Initial noise is fixed by the seed, so two evaluations differ only through the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageDraw
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .adapters import PipelineAdapter
+from .config import EvalConfig, SamplerConfig, WindowConfig
+from .data import PromptDataset
+from .rollout import rollout
+
+
+def ode_sampler(eval_config: EvalConfig) -> SamplerConfig:
+    """The deterministic sampler evaluation uses: noise 0, every step an ODE step."""
+    return SamplerConfig(noise_level=0.0, num_steps=eval_config.num_steps, guidance_scale=eval_config.guidance_scale,
+                         window=WindowConfig(size=0))  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate(
+    adapter: PipelineAdapter,
+    dataset: PromptDataset,
+    reward: Any,
+    eval_config: EvalConfig,
+    *,
+    resolution: int,
+    seed: int = 0,
+    progress: bool = False,
+    shard: tuple[int, int] = (0, 1),
+) -> tuple[dict[str, float], Tensor, list[str], dict[str, Tensor]]:
+    """Sample every test prompt once with the ODE; returns (summary, images, prompts, scores).
+
+    summary: ``{reward: mean}`` plus ``"{reward}/tag/{tag}"`` means when the prompts carry a ``tag``.
+    shard: (rank, world_size) — this process evaluates every world_size-th prompt.
+    """
+    count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
+    rank, world = shard
+    indices = list(range(rank, count, world))
+    sampler = ode_sampler(eval_config)
+    images, prompts, scores = [], [], defaultdict(list)
+    generator = torch.Generator().manual_seed(seed)
+    batches = [indices[i : i + eval_config.batch_size] for i in range(0, len(indices), eval_config.batch_size)]
+    for batch in tqdm(batches, desc="evaluating", disable=not progress, leave=False):
+        # Per-prompt noise from (seed, prompt index): the same image whatever the batching or sharding.
+        latents = torch.cat([
+            adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed * 1_000_003 + i))
+            for i in batch
+        ])  # fmt: skip
+        texts = [dataset.prompts[i] for i in batch]
+        meta = [dict(dataset.metadata[i]) for i in batch]
+        traj = rollout(adapter, texts, list(batch), sampler, range(0, 0), height=resolution, width=resolution,
+                       initial_latents=latents, metadata=meta)  # fmt: skip
+        out = reward(traj.images, texts, meta)
+        for k, v in out.items():
+            scores[k].append(v.float())
+        images.append(traj.images.cpu())
+        prompts += texts
+    merged = {k: torch.cat(v) for k, v in scores.items()}
+    summary = {k: v.mean().item() for k, v in merged.items()}
+    tags = [dataset.metadata[i].get("tag") for i in indices]
+    for tag in sorted({t for t in tags if t is not None}):
+        mask = torch.tensor([t == tag for t in tags])
+        for k, v in merged.items():
+            summary[f"{k}/tag/{tag}"] = v[mask].mean().item()
+    return summary, torch.cat(images), prompts, merged
+
+
+def image_grid(
+    images: Tensor, captions: list[str], columns: int | None = None, caption_height: int = 14
+) -> Image.Image:
+    """A PIL grid of ``[N, 3, H, W]`` images in [0, 1], each with a one-line caption underneath."""
+    n, _, h, w = images.shape
+    columns = columns or max(1, math.ceil(math.sqrt(n)))
+    rows = math.ceil(n / columns)
+    grid = Image.new("RGB", (columns * w, rows * (h + caption_height)), "white")
+    draw = ImageDraw.Draw(grid)
+    pixels = (images.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    for i in range(n):
+        x, y = (i % columns) * w, (i // columns) * (h + caption_height)
+        grid.paste(Image.fromarray(pixels[i]), (x, y))
+        draw.text((x + 1, y + h + 1), captions[i][: max(4, w // 6)], fill="black")
+    return grid
+
+
+def write_report(folder: Path, summary: dict[str, float], images: Tensor, prompts: list[str],
+                 scores: dict[str, Tensor], *, name: str = "eval") -> None:  # fmt: skip
+    """``{name}.json`` (means and per-image scores) and ``{name}.png`` (the grid) in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per_image = [{"prompt": p, **{k: float(v[i]) for k, v in scores.items()}} for i, p in enumerate(prompts)]
+    (folder / f"{name}.json").write_text(json.dumps({"summary": summary, "images": per_image}, indent=2))
+    total = scores.get("total")
+    captions = [f"{float(total[i]):.3g} {p}" if total is not None else p for i, p in enumerate(prompts)]
+    image_grid(images, captions).save(folder / f"{name}.png")
