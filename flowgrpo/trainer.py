@@ -268,7 +268,9 @@ class GRPOTrainer:
                     else:
                         self._skip_nonfinite()
                     if sync:
-                        sums["grad_norm"].append(float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)))
+                        norm = acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
+                        if norm is not None:  # DeepSpeed clips inside its engine and returns None
+                            sums["grad_norm"].append(float(norm))
                         self.optimizer.step()
                         self.optimizer.zero_grad(set_to_none=True)
                         if self.ema is not None:

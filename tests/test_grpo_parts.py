@@ -122,12 +122,25 @@ def test_batch_arithmetic_uses_the_world_size():
 
 
 def test_every_preset_in_configs_is_valid():
+    """Each preset loads, names prompt files that exist, and names registered rewards (no model is loaded)."""
     from pathlib import Path
 
-    presets = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
-    assert presets
+    from rewards import resolve_reward
+
+    root = Path(__file__).parent.parent
+    presets = sorted(root.joinpath("configs").glob("*.yaml"))
+    assert len(presets) >= 10
     for path in presets:
-        load_config(path)
+        config = load_config(path)
+        assert path.read_text().startswith("# "), f"{path.name} should start with its launch line"
+        for key in ("train", "test"):
+            file = getattr(config.data, key)
+            if file is not None:
+                assert len(PromptDataset.from_file(root / file)) > 0, (path.name, file)
+        spec = config.rewards
+        names = list(spec) if isinstance(spec, dict) else [e["name"] for e in spec]
+        for name in names:
+            resolve_reward(name)
 
 
 # ---------------------------------------------------------------- data
@@ -158,3 +171,16 @@ def test_epoch_plan_groups_are_complete_deterministic_and_span_ranks():
     shards = [rank_slice(plan, r, 2) for r in range(2)]
     assert shards[0] + shards[1] == plan
     assert {s.group_id for s in shards[0]} & {s.group_id for s in shards[1]}  # some group spans both ranks
+
+
+def test_accelerate_configs_load():
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    folder = Path(__file__).parent.parent / "configs" / "accelerate"
+    kinds = {p.stem: load_config_from_file(str(p)).distributed_type.value for p in folder.glob("*.yaml")}
+    assert kinds == {
+        "single_gpu": "NO", "multi_gpu": "MULTI_GPU", "multi_node": "MULTI_GPU",
+        "deepspeed_zero2": "DEEPSPEED", "fsdp": "FSDP",
+    }  # fmt: skip
