@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,10 +32,11 @@ from samplers import SlidingWindow, transition_kl
 
 from .adapters import PipelineAdapter, make_adapter
 from .advantages import compute_advantages
+from .checkpoint import checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint
 from .config import Config, ConfigError, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
-from .evaluation import evaluate, write_report
+from .evaluation import evaluate, image_grid, write_report
 from .loss import grpo_loss
 from .pipelines import load_pipeline
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
@@ -52,6 +54,7 @@ class TrainState:
     global_step: int = 0  # optimizer steps taken
     nonfinite_in_a_row: int = 0
     best_eval: float | None = None
+    best_checkpoint: str | None = None  # name of the checkpoint with the best eval reward (never pruned)
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -110,13 +113,20 @@ class GRPOTrainer:
         self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
         self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
         self.window = make_window(config)
-        self.run_dir = self._make_run_dir(run_dir)
         self.state = TrainState()
+        run = config.run
+        resume = resolve_resume(run.resume, run.output_dir, run.name) if run.resume else None
+        self.run_dir = self._make_run_dir(resume.parent.parent if resume is not None else run_dir)
+        if resume is not None:
+            load_checkpoint(self, resume)
+            acc.print(f"resumed from {resume} at epoch {self.state.epoch}")
+        self.stop_requested = False
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")
         if acc.is_main_process:
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
-            acc.init_trackers(config.run.name, config=_flat(config.to_dict()))
+        acc.project_configuration.set_directories(str(self.run_dir))
+        acc.init_trackers(config.run.name, config=_flat(config.to_dict()))
 
     # ------------------------------------------------------------------ setup helpers
     def _make_run_dir(self, run_dir: Path | None) -> Path:
@@ -145,17 +155,30 @@ class GRPOTrainer:
         cfg, acc = self.config, self.accelerator
         bar = tqdm(range(self.state.epoch, cfg.run.epochs), desc="epochs", initial=self.state.epoch,
                    total=cfg.run.epochs, disable=not (cfg.run.progress and acc.is_main_process))  # fmt: skip
-        every = cfg.eval.every
+        every, save_every = cfg.eval.every, cfg.checkpoint.every
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
-        for epoch in bar:
-            metrics = self.run_epoch(epoch)
-            self.state.epoch = epoch + 1
-            if every and (epoch + 1) % every == 0:
-                metrics.update(self.run_eval(epoch + 1))
-            self.state.history.append(metrics)
-            self._log(metrics, epoch)
-            bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
+        with _stop_on_signals(self):
+            for epoch in bar:
+                metrics = self.run_epoch(epoch)
+                self.state.epoch = epoch + 1
+                new_best = False
+                if every and (epoch + 1) % every == 0:
+                    best_before = self.state.best_eval
+                    metrics.update(self.run_eval(epoch + 1))
+                    new_best = self.state.best_eval is not None and self.state.best_eval != best_before
+                    if new_best:
+                        self.state.best_checkpoint = checkpoint_name(epoch + 1)
+                self.state.history.append(metrics)
+                self._log(metrics, epoch)
+                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
+                done = epoch + 1 == cfg.run.epochs
+                if self.stop_requested or done or new_best or (save_every and (epoch + 1) % save_every == 0):
+                    path = save_checkpoint(self, epoch + 1)
+                    acc.print(f"checkpoint: {path}")
+                if self.stop_requested:
+                    acc.print("stop requested (signal): checkpoint written, exiting")
+                    break
         self._finish()
         return self.state
 
@@ -192,6 +215,9 @@ class GRPOTrainer:
         with scorer:
             local_scores = _cat_scores(scorer.results())
         timings["time/reward_wait"] = time.perf_counter() - start
+
+        if cfg.run.image_grid_every and epoch % cfg.run.image_grid_every == 0 and acc.is_main_process:
+            self._save_sample_grid(trajectory, local_scores["total"], epoch)
 
         # ================================ ADVANTAGES ================================
         keys = sorted(local_scores)
@@ -277,9 +303,15 @@ class GRPOTrainer:
                             self.ema.update(self.params)
                         self.state.global_step += 1
                         updates += 1
+                        if self._agree_to_stop():
+                            model.eval()
+                            return self._summarize(sums)
                         if finite:
                             self.state.nonfinite_in_a_row = 0
         model.eval()
+        return self._summarize(sums)
+
+    def _summarize(self, sums: dict[str, list[float]]) -> dict[str, float]:
         out = {f"train/{k}": sum(v) / len(v) for k, v in sums.items() if v}
         for k, pick in (("ratio_min", min), ("ratio_max", max), ("onpolicy_ratio_dev", max)):
             if sums.get(k):
@@ -298,6 +330,12 @@ class GRPOTrainer:
             kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
         old = stored_log_probs(sub, positions).to(new.log_prob.device)
         return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
+
+    def _agree_to_stop(self) -> bool:
+        """Whether any process got SIGTERM/SIGINT; every process agrees, so all stop after the same step."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.accelerator.device)
+        self.stop_requested = bool(self.accelerator.gather(flag).max().item() > 0)
+        return self.stop_requested
 
     def run_eval(self, epoch: int) -> dict[str, float]:
         """ODE sampling on the test prompts (rank 0; the others wait); ``eval/...`` metrics and a report."""
@@ -342,6 +380,15 @@ class GRPOTrainer:
                                                  "train/clip_fraction", "train/kl", "train/grad_norm") if k in metrics}
                 acc.print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))  # fmt: skip
 
+    def _save_sample_grid(self, trajectory: Trajectory, totals: torch.Tensor, epoch: int) -> None:
+        """This process's sampled images, one row per group, captioned with group id and reward."""
+        order = torch.argsort(trajectory.group_ids, stable=True)
+        captions = [f"g{int(trajectory.group_ids[i])} {float(totals[i]):.3g}" for i in order]
+        folder = self.run_dir / "samples"
+        folder.mkdir(exist_ok=True)
+        image_grid(trajectory.images[order].cpu(), captions, columns=self.config.grpo.group_size).save(
+            folder / f"epoch{epoch:05d}.png")  # fmt: skip
+
     def _dump(self, name: str, **tensors: torch.Tensor) -> None:
         folder = self.run_dir / "debug"
         folder.mkdir(exist_ok=True)
@@ -353,6 +400,26 @@ class GRPOTrainer:
             self._dump("final", **{f"p{i}": p for i, p in enumerate(self.params)})
         acc.wait_for_everyone()
         acc.end_training()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(trainer: GRPOTrainer):
+    """SIGTERM / SIGINT: finish the current optimizer step, checkpoint, exit cleanly (pre-emption)."""
+
+    def request_stop(signum, frame):  # noqa: ARG001
+        if trainer.stop_requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        trainer.accelerator.print(f"received {signal.Signals(signum).name}: stopping after the current step")
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, request_stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _cat_scores(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,201 @@
+"""Checkpoints that resume exactly, written atomically.
+
+    <run>/checkpoints/epoch-00020/
+        adapter.safetensors     LoRA weights (peft names, float32)     adapter_config.json  the LoraConfig
+        ema.safetensors         EMA of the adapter weights (if train.ema > 0)
+        optimizer.pt            optimizer state (tensors and numbers only: loaded with weights_only=True)
+        state.json              epoch, optimizer steps, best eval reward, … (the sliding window and the
+                                epoch's prompt plan are functions of the epoch, so this restores them too)
+        rng_rank{r}.pt          torch / numpy / python RNG states of every process
+
+A checkpoint is written under a temporary name and renamed into place, so a crash or a failed write
+leaves the previous checkpoints intact; ``keep_last`` newest plus the best-by-eval one are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINTS = "checkpoints"
+PREFIX = "epoch-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or run directory that cannot be resumed from."""
+
+
+def checkpoint_name(epoch: int) -> str:
+    return f"{PREFIX}{epoch:05d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary directories are ignored)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(p for p in found if (p / "state.json").is_file())
+
+
+def resolve_resume(resume: str, output_dir: str, run_name: str) -> Path:
+    """A checkpoint directory from ``run.resume``: a checkpoint, a run directory (its newest), or ``latest``."""
+    if resume == "latest":
+        runs = sorted(Path(output_dir).glob(f"{run_name}-*"), key=lambda p: p.stat().st_mtime)
+        runs = [r for r in runs if list_checkpoints(r)]
+        if not runs:
+            raise CheckpointError(f"run.resume=latest: no run of '{run_name}' with a checkpoint in {output_dir}/")
+        return list_checkpoints(runs[-1])[-1]
+    path = Path(resume)
+    if (path / "state.json").is_file():
+        return path
+    if path.is_dir() and list_checkpoints(path):
+        return list_checkpoints(path)[-1]
+    raise CheckpointError(
+        f"run.resume={resume!r} is neither a checkpoint (a folder with state.json) nor a run directory with "
+        f"checkpoints; pass <run>/checkpoints/epoch-NNNNN, <run>, or latest"
+    )
+
+
+def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, state)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise CheckpointError(f"adapter weights do not fit this model (unexpected keys such as {unexpected[0]})")
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(trainer: Any, epoch: int) -> Path | None:
+    """Write ``<run>/checkpoints/epoch-NNNNN`` atomically (all processes call this; rank 0 writes the shared parts)."""
+    acc = trainer.accelerator
+    folder = trainer.run_dir / CHECKPOINTS
+    final = folder / checkpoint_name(epoch)
+    tmp = folder / f".tmp-{checkpoint_name(epoch)}"
+    from .adapters import unwrap
+
+    if acc.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    failure: BaseException | None = None
+    try:
+        # RNG states are per process; everything else is replicated (DDP) and written once.
+        torch.save(_rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
+        if acc.is_main_process:
+            model = unwrap(trainer.adapter.transformer)
+            save_file(lora_state(model), str(tmp / "adapter.safetensors"))
+            config = model.peft_config["default"].to_dict()
+            config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
+            if trainer.ema is not None:
+                names = trainable_names(model)
+                save_file({n: s.contiguous().cpu() for n, s in zip(names, trainer.ema.shadow, strict=True)},
+                          str(tmp / "ema.safetensors"), metadata={"decay": str(trainer.ema.decay)})  # fmt: skip
+            torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+            state = {**asdict(trainer.state), "epoch": epoch, "world_size": acc.num_processes}
+            state.pop("history", None)
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
+        failure = err
+    acc.wait_for_everyone()
+    if failure is not None:
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise failure
+    if acc.is_main_process:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(folder, trainer.config.checkpoint.keep_last, trainer.state.best_checkpoint)
+    acc.wait_for_everyone()
+    return final
+
+
+def _prune(folder: Path, keep_last: int, best: str | None) -> None:
+    checkpoints = list_checkpoints(folder.parent)
+    for old in checkpoints[: max(len(checkpoints) - keep_last, 0)]:
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(trainer: Any, checkpoint: Path) -> None:
+    """Restore weights, optimizer, EMA, counters and this process's RNG states from ``checkpoint``."""
+    from .adapters import unwrap
+
+    acc = trainer.accelerator
+    model = unwrap(trainer.adapter.transformer)
+    load_lora_state(model, load_file(str(checkpoint / "adapter.safetensors"), device=str(acc.device)))
+    optimizer_state = torch.load(checkpoint / "optimizer.pt", map_location=acc.device, weights_only=True)
+    trainer.optimizer.load_state_dict(optimizer_state)
+    if trainer.ema is not None:
+        ema_file = checkpoint / "ema.safetensors"
+        if not ema_file.is_file():
+            raise CheckpointError(f"{checkpoint} has no EMA weights but train.ema > 0; resume with train.ema=0")
+        ema = load_file(str(ema_file))
+        trainer.ema.shadow = [ema[name].to(acc.device) for name in trainable_names(model)]
+    state = json.loads((checkpoint / "state.json").read_text())
+    if state.get("world_size", acc.num_processes) != acc.num_processes:
+        acc.print(f"warning: checkpoint written by {state['world_size']} processes, resuming on {acc.num_processes}; "
+                  "the epoch plan is unchanged but per-process noise differs")  # fmt: skip
+    for key in ("epoch", "global_step", "nonfinite_in_a_row", "best_eval", "best_checkpoint"):
+        if key in state:
+            setattr(trainer.state, key, state[key])
+    rng_file = checkpoint / f"rng_rank{acc.process_index}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy/python RNG tuples
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """Names of the trainable (LoRA) parameters, in ``parameters()`` order — the EMA's order."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def load_adapter_weights(model: torch.nn.Module, checkpoint: Path, *, ema: bool = False) -> None:
+    """Load a checkpoint's adapter weights (``ema``: its EMA weights) into a model that has the LoRA layers."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "adapter.safetensors").is_file():
+        raise CheckpointError(f"{checkpoint} is not a checkpoint (no adapter.safetensors)")
+    load_lora_state(model, load_file(str(checkpoint / "adapter.safetensors")))
+    if ema:
+        file = checkpoint / "ema.safetensors"
+        if not file.is_file():
+            raise CheckpointError(f"{file} does not exist: the run had train.ema = 0")
+        weights = load_file(str(file))
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in trainable_names(model):
+                params[name].copy_(weights[name])

@@ -1,0 +1,59 @@
+"""Evaluate a checkpoint: noise-free sampling on the test prompts, every configured reward, a grid and a report.
+
+    python scripts/evaluate.py --checkpoint runs/<run>/checkpoints/epoch-00100 [--config cfg.yaml] [--ema]
+        [--out DIR] [key.sub=value ...]          # e.g. eval.num_steps=28 data.test=my_prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--config", help="config YAML (default: the run's config.yaml)")
+    parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
+    parser.add_argument("--out", help="report directory (default: <checkpoint>/eval)")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    from flowgrpo.config import load_config
+    from flowgrpo.data import PromptDataset
+    from flowgrpo.evaluation import evaluate, write_report
+    from flowgrpo.export import adapter_from_checkpoint, run_config
+    from rewards import build_reward
+
+    try:
+        overrides = ["run.resume=null", *args.overrides]
+        config = load_config(args.config, overrides) if args.config else run_config(Path(args.checkpoint), overrides)
+        if not config.data.test:
+            raise ValueError("data.test is not set: pass data.test=<prompt file>")
+        dataset = PromptDataset.from_file(config.data.test, "data.test")
+        reward = build_reward(config.rewards, device=args.device)
+        adapter = adapter_from_checkpoint(config, Path(args.checkpoint), ema=args.ema, device=args.device)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    summary, images, prompts, scores = evaluate(
+        adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed, progress=True
+    )
+    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval"
+    write_report(out, summary, images, prompts, scores, name="eval_ema" if args.ema else "eval")
+    print(json.dumps(summary, indent=2))
+    print(f"report: {out}")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

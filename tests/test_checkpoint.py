@@ -1,0 +1,200 @@
+"""Checkpoints: exact resume, atomic writes, SIGTERM, non-finite losses, export to plain diffusers, scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import flowgrpo.checkpoint as checkpoint_module
+import flowgrpo.trainer as trainer_module
+from flowgrpo.checkpoint import list_checkpoints, save_checkpoint
+from flowgrpo.config import load_config
+from flowgrpo.trainer import GRPOTrainer, TrainingError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny_sd3.yaml"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def _trainer(tmp_path, *overrides):
+    return GRPOTrainer(load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "eval.every=0",
+                                          *overrides]))  # fmt: skip
+
+
+def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path):
+    common = ["train.ema=0.5", "checkpoint.every=1", "checkpoint.keep_last=2"]
+    full = _trainer(tmp_path / "a", "run.epochs=4", *common)
+    full.fit()
+    part = _trainer(tmp_path / "b", "run.epochs=2", *common)
+    part.fit()
+    resumed = _trainer(tmp_path / "b", "run.epochs=4", f"run.resume={part.run_dir}", *common)
+    assert resumed.run_dir == part.run_dir and resumed.state.epoch == 2
+    resumed.fit()
+    a, b = list_checkpoints(full.run_dir)[-1], list_checkpoints(part.run_dir)[-1]
+    assert a.name == b.name == "epoch-00004"
+    for name in ("adapter.safetensors", "ema.safetensors"):
+        wa, wb = load_file(str(a / name)), load_file(str(b / name))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name
+    assert json.loads((a / "state.json").read_text())["global_step"] == resumed.state.global_step
+    assert [p.name for p in list_checkpoints(part.run_dir)] == ["epoch-00003", "epoch-00004"]  # keep_last=2
+    rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # the resumed run appends to the same log
+
+
+def test_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "run.epochs=1", "checkpoint.every=1")
+    trainer.fit()
+    (good,) = list_checkpoints(trainer.run_dir)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(checkpoint_module, "save_file", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(trainer, 1)  # overwriting the same epoch must not destroy it
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(trainer, 2)
+    assert list_checkpoints(trainer.run_dir) == [good]
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert [p.name for p in (trainer.run_dir / "checkpoints").iterdir()] == [good.name]  # no temporary left
+
+
+def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, monkeypatch):
+    real_loss = trainer_module.grpo_loss
+    calls = {"n": 0}
+
+    def sometimes_nan(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), stats) if calls["n"] == 2 else (loss, stats)
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", sometimes_nan)
+    trainer = _trainer(tmp_path, "run.epochs=1")
+    before = [p.detach().clone() for p in trainer.params]
+    trainer.fit()
+    assert calls["n"] == 10 and trainer.state.nonfinite_in_a_row == 0  # reset by the next finite step
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.params, before, strict=True))
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"),
+                                                                      real_loss(*a, **k)[1]))  # fmt: skip
+    trainer = _trainer(tmp_path, "run.epochs=1", "run.max_nonfinite_steps=3")
+    with pytest.raises(TrainingError, match="3 non-finite losses in a row"):
+        trainer.fit()
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
+    cmd = [sys.executable, "scripts/train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "run.epochs=200",
+           "run.progress=false", "eval.every=0", "checkpoint.every=0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        runs = list(tmp_path.glob("tiny-sd3-*/metrics.jsonl"))
+        if runs and runs[0].read_text().count("\n") >= 1:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stop requested" in out
+    (run_dir,) = tmp_path.iterdir()
+    (ckpt,) = list_checkpoints(run_dir)
+    state = json.loads((ckpt / "state.json").read_text())
+    assert 1 <= state["epoch"] < 200 and state["global_step"] >= 1
+    # The checkpoint resumes.
+    resumed = subprocess.run(cmd[:-4] + ["run.progress=false", "eval.every=0", f"run.epochs={state['epoch'] + 1}",
+                                         f"run.resume={run_dir}"],  # fmt: skip
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt}" in resumed.stdout
+
+
+PLAIN_DIFFUSERS = """
+import sys, torch
+from diffusers import StableDiffusion3Pipeline
+base, lora, merged, latents_file, out = sys.argv[1:6]
+latents = torch.load(latents_file)
+kw = dict(prompt=["a red cube", "a blue ball"], latents=latents, num_inference_steps=6, guidance_scale=4.5,
+          height=32, width=32, output_type="pt")
+pipe = StableDiffusion3Pipeline.from_pretrained(base)
+pipe.load_lora_weights(lora)
+with_lora = pipe(**kw).images
+fused = StableDiffusion3Pipeline.from_pretrained(merged)(**kw).images
+base_images = StableDiffusion3Pipeline.from_pretrained(base)(**kw).images
+torch.save({"lora": with_lora, "merged": fused, "base": base_images}, out)
+"""
+
+
+def test_export_round_trip_through_plain_diffusers(tmp_path):
+    from flowgrpo.config import WindowConfig
+    from flowgrpo.evaluation import ode_sampler
+    from flowgrpo.export import adapter_from_checkpoint, export_checkpoint, run_config
+    from flowgrpo.rollout import rollout
+    from flowgrpo.tiny import build_tiny_pipeline
+
+    base = tmp_path / "base"
+    build_tiny_pipeline("sd3", seed=0).save_pretrained(str(base))
+    trainer = _trainer(tmp_path / "runs", f"model.pretrained={base}", "run.epochs=2", "train.lr=5e-2",
+                       "train.ema=0.5")  # fmt: skip
+    trainer.fit()
+    ckpt = list_checkpoints(trainer.run_dir)[-1]
+    result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", str(ckpt), "--out",
+                             str(tmp_path / "lora")], cwd=ROOT, env=ENV, capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    export_checkpoint(ckpt, tmp_path / "merged", merge=True)
+    export_checkpoint(ckpt, tmp_path / "lora_ema", ema=True)
+    assert load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors")).keys()
+    ema_w = load_file(str(tmp_path / "lora_ema" / "pytorch_lora_weights.safetensors"))
+    last_w = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    assert any(not torch.equal(ema_w[k], last_w[k]) for k in last_w)
+
+    # The trainer's own noise-free sampling with the checkpoint's adapter.
+    config = run_config(ckpt)
+    adapter = adapter_from_checkpoint(config, ckpt)
+    latents = adapter.initial_noise(2, 32, 32, generator=torch.Generator().manual_seed(0))
+    sampler = ode_sampler(config.eval)
+    sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
+    ours = rollout(adapter, ["a red cube", "a blue ball"], [0, 1], sampler, range(0, 0), height=32, width=32,
+                   initial_latents=latents).images  # fmt: skip
+
+    torch.save(latents, tmp_path / "latents.pt")
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_DIFFUSERS)
+    run = subprocess.run([sys.executable, str(script), str(base), str(tmp_path / "lora"), str(tmp_path / "merged"),
+                          str(tmp_path / "latents.pt"), str(tmp_path / "images.pt")],
+                         env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    images = torch.load(tmp_path / "images.pt")
+    assert (images["base"] - ours).abs().max() > 1e-3  # the adapter really changes the images
+    torch.testing.assert_close(images["lora"], ours, rtol=0, atol=1e-5)
+    torch.testing.assert_close(images["merged"], ours, rtol=0, atol=1e-4)
+
+
+def test_evaluate_and_plot_scripts(tmp_path):
+    trainer = _trainer(tmp_path, "run.epochs=2", "eval.every=1", "run.image_grid_every=1")
+    trainer.fit()
+    assert sorted(p.name for p in (trainer.run_dir / "samples").iterdir()) == ["epoch00000.png", "epoch00001.png"]
+    assert (trainer.run_dir / "eval" / "epoch00002.json").is_file()
+    ckpt = list_checkpoints(trainer.run_dir)[-1]
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", str(ckpt)], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((ckpt / "eval" / "eval.json").read_text())
+    # Same weights, same seed, same prompts: the script reproduces the in-training evaluation.
+    in_training = json.loads((trainer.run_dir / "eval" / "epoch00002.json").read_text())
+    assert report["summary"]["total"] == pytest.approx(in_training["summary"]["total"], abs=1e-6)
+    assert (ckpt / "eval" / "eval.png").is_file()
+    plot = subprocess.run([sys.executable, "scripts/plot.py", str(trainer.run_dir)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert (trainer.run_dir / "curves.png").stat().st_size > 10_000
