@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, apply_nan_policy, build_reward
@@ -99,7 +99,9 @@ class GRPOTrainer:
         # A multi-process launch on a machine without GPUs (``accelerate launch --multi_gpu`` / torchrun) runs on
         # the CPU with gloo; accelerate's own ``--cpu --num_processes N`` starts a single process unless given mpirun.
         on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-        self.accelerator = Accelerator(log_with=config.run.trackers or None, cpu=on_cpu)
+        # Trackers need a logging directory at construction; it is pointed at the run directory once that exists.
+        project = ProjectConfiguration(project_dir=config.run.output_dir, logging_dir=config.run.output_dir)
+        self.accelerator = Accelerator(log_with=config.run.trackers or None, cpu=on_cpu, project_config=project)
         acc = self.accelerator
         validate(config, world_size=acc.num_processes)
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
@@ -125,7 +127,7 @@ class GRPOTrainer:
         self.generator = torch.Generator(device="cpu")
         if acc.is_main_process:
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
-        acc.project_configuration.set_directories(str(self.run_dir))
+        acc.project_configuration.project_dir = acc.project_configuration.logging_dir = str(self.run_dir)
         acc.init_trackers(config.run.name, config=_flat(config.to_dict()))
 
     # ------------------------------------------------------------------ setup helpers

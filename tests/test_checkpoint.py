@@ -181,8 +181,9 @@ def test_export_round_trip_through_plain_diffusers(tmp_path):
 
 
 def test_evaluate_and_plot_scripts(tmp_path):
-    trainer = _trainer(tmp_path, "run.epochs=2", "eval.every=1", "run.image_grid_every=1")
+    trainer = _trainer(tmp_path, "run.epochs=2", "eval.every=1", "run.image_grid_every=1", "run.trackers=[tensorboard]")
     trainer.fit()
+    assert list(trainer.run_dir.rglob("events.out.tfevents.*"))  # TensorBoard through accelerate's trackers
     assert sorted(p.name for p in (trainer.run_dir / "samples").iterdir()) == ["epoch00000.png", "epoch00001.png"]
     assert (trainer.run_dir / "eval" / "epoch00002.json").is_file()
     ckpt = list_checkpoints(trainer.run_dir)[-1]
