@@ -127,6 +127,8 @@ class GRPOTrainer:
         self.generator = torch.Generator(device="cpu")
         if acc.is_main_process:
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
+            if config.run.progress:
+                print("resolved config:\n  " + config.to_yaml().rstrip().replace("\n", "\n  "))
         acc.project_configuration.project_dir = acc.project_configuration.logging_dir = str(self.run_dir)
         acc.init_trackers(config.run.name, config=_flat(config.to_dict()))
 
