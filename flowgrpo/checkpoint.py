@@ -67,18 +67,34 @@ def resolve_resume(resume: str, output_dir: str, run_name: str) -> Path:
 
 
 def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights under peft's saved names (no adapter name), float32 on the CPU."""
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
 
 
 def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load adapter weights; every LoRA weight of the model must be in ``state`` and nothing else."""
     from peft import set_peft_model_state_dict
 
+    missing = sorted(set(lora_state(model)) - set(state))
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks adapter weights of this model (e.g. {missing[0]}): "
+                              "was it trained with other model.lora settings?")  # fmt: skip
     result = set_peft_model_state_dict(model, state)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise CheckpointError(f"adapter weights do not fit this model (unexpected keys such as {unexpected[0]})")
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """Saved (peft) names of the trainable LoRA parameters, in ``parameters()`` order — the EMA's order."""
+    return [_saved_name(name) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _saved_name(parameter_name: str, adapter: str = "default") -> str:
+    # peft's state dict drops the adapter name: "...lora_A.default.weight" -> "...lora_A.weight".
+    return parameter_name.replace(f".{adapter}.", ".")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -162,10 +178,7 @@ def load_checkpoint(trainer: Any, checkpoint: Path) -> None:
     optimizer_state = torch.load(checkpoint / "optimizer.pt", map_location=acc.device, weights_only=True)
     trainer.optimizer.load_state_dict(optimizer_state)
     if trainer.ema is not None:
-        ema_file = checkpoint / "ema.safetensors"
-        if not ema_file.is_file():
-            raise CheckpointError(f"{checkpoint} has no EMA weights but train.ema > 0; resume with train.ema=0")
-        ema = load_file(str(ema_file))
+        ema = read_weights(checkpoint, ema=True)
         trainer.ema.shadow = [ema[name].to(acc.device) for name in trainable_names(model)]
     state = json.loads((checkpoint / "state.json").read_text())
     if state.get("world_size", acc.num_processes) != acc.num_processes:
@@ -179,23 +192,16 @@ def load_checkpoint(trainer: Any, checkpoint: Path) -> None:
         _set_rng_state(torch.load(rng_file, weights_only=False))  # our own file: numpy/python RNG tuples
 
 
-def trainable_names(model: torch.nn.Module) -> list[str]:
-    """Names of the trainable (LoRA) parameters, in ``parameters()`` order — the EMA's order."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]
+def read_weights(checkpoint: Path, *, ema: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapter weights (``ema``: their EMA) under peft's saved names."""
+    checkpoint = Path(checkpoint)
+    file = checkpoint / ("ema.safetensors" if ema else "adapter.safetensors")
+    if not file.is_file():
+        hint = ": the run had train.ema = 0" if ema else " (not a checkpoint?)"
+        raise CheckpointError(f"{file} does not exist{hint}")
+    return load_file(str(file))
 
 
 def load_adapter_weights(model: torch.nn.Module, checkpoint: Path, *, ema: bool = False) -> None:
     """Load a checkpoint's adapter weights (``ema``: its EMA weights) into a model that has the LoRA layers."""
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "adapter.safetensors").is_file():
-        raise CheckpointError(f"{checkpoint} is not a checkpoint (no adapter.safetensors)")
-    load_lora_state(model, load_file(str(checkpoint / "adapter.safetensors")))
-    if ema:
-        file = checkpoint / "ema.safetensors"
-        if not file.is_file():
-            raise CheckpointError(f"{file} does not exist: the run had train.ema = 0")
-        weights = load_file(str(file))
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name in trainable_names(model):
-                params[name].copy_(weights[name])
+    load_lora_state(model, read_weights(checkpoint, ema=ema))

@@ -395,5 +395,22 @@ def validate(config: Config, world_size: int = 1) -> None:
             f"each process trains on {local} samples per epoch ({total} / {world_size} processes), which "
             f"train.batch_size={t.batch_size} does not divide; pick a divisor of {local}"
         )
+    micro_batches = local // t.batch_size * t.inner_epochs
+    if micro_batches % t.gradient_accumulation:
+        raise ConfigError(
+            f"train.gradient_accumulation={t.gradient_accumulation} must divide the {micro_batches} micro-batches each "
+            f"process trains per epoch ({local} samples / train.batch_size {t.batch_size} × train.inner_epochs "
+            f"{t.inner_epochs}), or the last optimizer step of an epoch would be incomplete"
+        )
+    at_least = {
+        "run.log_every": (config.run.log_every, 1), "checkpoint.keep_last": (config.checkpoint.keep_last, 1),
+        "run.max_nonfinite_steps": (config.run.max_nonfinite_steps, 1), "eval.every": (config.eval.every, 0),
+        "checkpoint.every": (config.checkpoint.every, 0), "run.image_grid_every": (config.run.image_grid_every, 0),
+    }  # fmt: skip
+    for key, (value, low) in at_least.items():
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low}, got {value}")
+    if not s.kappa > 0:
+        raise ConfigError(f"sampler.kappa must be > 0 (Langevin's step cap, κ·t_next), got {s.kappa}")
     if config.model.resolution % 16:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")

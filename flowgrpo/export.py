@@ -6,14 +6,15 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .adapters import PipelineAdapter, make_adapter
-from .checkpoint import CheckpointError, load_adapter_weights, lora_state
+from .adapters import PipelineAdapter, build_adapter
+from .checkpoint import CheckpointError, load_adapter_weights, read_weights
 from .config import Config, load_config
-from .pipelines import load_pipeline
+from .pipelines import PIPELINE_CLASSES, detect_kind, load_pipeline
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -30,22 +31,19 @@ def adapter_from_checkpoint(
     config: Config, checkpoint: Path, *, ema: bool = False, device: str = "cpu", dtype: str | None = None
 ) -> PipelineAdapter:
     """The run's pipeline with its LoRA adapter loaded from ``checkpoint`` (EMA weights with ``ema``)."""
-    m = config.model
-    pipe = load_pipeline(m.pretrained, kind=m.kind, dtype=dtype or m.dtype, device=device)
-    adapter = make_adapter(pipe, negative_prompt=m.negative_prompt)
-    adapter.add_lora(m.lora.rank, m.lora.alpha, m.lora.target_modules, m.lora.init, m.lora.dropout)
-    load_adapter_weights(pipe.transformer, Path(checkpoint), ema=ema)
+    adapter = build_adapter(config.model, device, dtype)
+    load_adapter_weights(adapter.pipe.transformer, Path(checkpoint), ema=ema)
     return adapter
 
 
-def save_diffusers_lora(adapter: PipelineAdapter, out: Path) -> Path:
-    """``out/pytorch_lora_weights.safetensors`` with the adapter metadata, so ``lora_alpha`` survives a reload."""
-    transformer = adapter.pipe.transformer
-    metadata: dict[str, Any] = transformer.peft_config["default"].to_dict()
-    metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-    type(adapter.pipe).save_lora_weights(
-        str(out), transformer_lora_layers=lora_state(transformer), transformer_lora_adapter_metadata=metadata,
-        weight_name=LORA_FILE,
+def save_diffusers_lora(config: Config, checkpoint: Path, out: Path, *, ema: bool = False) -> Path:
+    """``out/pytorch_lora_weights.safetensors`` straight from the checkpoint files (no model is loaded), with the
+    adapter metadata so that ``lora_alpha`` survives ``load_lora_weights``."""
+    metadata: dict[str, Any] = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+    kind = detect_kind(config.model.pretrained) if config.model.kind == "auto" else config.model.kind
+    PIPELINE_CLASSES[kind].save_lora_weights(
+        str(out), transformer_lora_layers=read_weights(checkpoint, ema=ema),
+        transformer_lora_adapter_metadata=metadata, weight_name=LORA_FILE,
     )  # fmt: skip
     return out / LORA_FILE
 
@@ -61,14 +59,13 @@ def export_checkpoint(
     """Write a diffusers LoRA directory (default) or, with ``merge``, a full pipeline with fused weights."""
     checkpoint, out = Path(checkpoint), Path(out)
     config = config or run_config(checkpoint)
-    adapter = adapter_from_checkpoint(config, checkpoint, ema=ema, dtype="fp32")
     if not merge:
         out.mkdir(parents=True, exist_ok=True)
-        save_diffusers_lora(adapter, out)
+        save_diffusers_lora(config, checkpoint, out, ema=ema)
         return out
-    # Merge through diffusers itself: a fresh pipeline loads the exported LoRA, fuses it, and is saved whole.
+    # Merge through diffusers itself: the pipeline loads the exported LoRA, fuses it, and is saved whole.
     with tempfile.TemporaryDirectory() as tmp:
-        save_diffusers_lora(adapter, Path(tmp))
+        save_diffusers_lora(config, checkpoint, Path(tmp), ema=ema)
         m = config.model
         pipe = load_pipeline(m.pretrained, kind=m.kind, dtype=m.dtype, device="cpu")
         pipe.load_lora_weights(tmp, weight_name=LORA_FILE)

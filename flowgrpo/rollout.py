@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from samplers import Transition, compress_schedule, dpmpp_2m_step, ode_step, sde_step
+from samplers import Transition, compress_schedule, ode_step, sde_step, solver_step
 
 from .adapters import PipelineAdapter, PromptEmbeds
 from .config import SamplerConfig
@@ -114,6 +114,7 @@ def rollout(
     decode: bool = True,
     log_prob_reduce: str = "mean",
     metadata: list[dict[str, Any]] | None = None,
+    noise_seed: int = 0,
     progress: bool = False,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE."""
@@ -134,7 +135,7 @@ def rollout(
     if initial_latents is None:
         x = adapter.initial_noise(
             len(prompts), height, width, generator=generator, group_ids=group_ids,
-            same_within_group=sampler.same_initial_noise,
+            same_within_group=sampler.same_initial_noise, noise_seed=noise_seed,
         )  # fmt: skip
     else:
         expected = (len(prompts), *adapter.latent_shape(height, width))
@@ -145,7 +146,7 @@ def rollout(
     gs = sampler.guidance_scale
     velocity_fn = lambda y, s: adapter.velocity(y, s, embeds, gs)  # noqa: E731
     before, after_, log_probs, stds = [], [], [], []
-    prev_x0 = t_prev = None
+    history = None  # multistep state of the post-window solver
     for i in tqdm(range(len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
         t, t_next = sigmas[i], sigmas[i + 1]
         v = velocity_fn(x, t)
@@ -157,11 +158,10 @@ def rollout(
             before.append(x)
             after_.append(step.sample)
             log_probs.append(step.log_prob)
-            stds.append(step.std.reshape(-1)[0] if step.std.numel() else step.std)
+            stds.append(step.std.reshape(-1)[0])  # one std per step: the batch shares t
             x = step.sample
-        elif i >= after and sampler.post_window.solver == "dpmpp_2m":
-            x, prev_x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
-            t_prev = t
+        elif i >= after:
+            x, history = solver_step(sampler.post_window.solver, v, x, t, t_next, history)
         else:
             x = ode_step(v, x, t, t_next)
 

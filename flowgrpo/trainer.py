@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, apply_nan_policy, build_reward
 from samplers import SlidingWindow, transition_kl
 
-from .adapters import PipelineAdapter, make_adapter
+from .adapters import build_adapter
 from .advantages import compute_advantages
 from .checkpoint import checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint
 from .config import Config, ConfigError, validate
@@ -38,7 +38,6 @@ from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate, image_grid, write_report
 from .loss import grpo_loss
-from .pipelines import load_pipeline
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
 
 
@@ -67,18 +66,6 @@ def make_window(config: Config) -> SlidingWindow:
     )  # fmt: skip
 
 
-def build_adapter(config: Config, device: torch.device) -> PipelineAdapter:
-    m = config.model
-    pipe = load_pipeline(m.pretrained, kind=m.kind, dtype=m.dtype, device=device)
-    adapter = make_adapter(pipe, negative_prompt=m.negative_prompt)
-    adapter.check_size(m.resolution, m.resolution)
-    adapter.set_attention_backend(m.attention)
-    adapter.add_lora(m.lora.rank, m.lora.alpha, m.lora.target_modules, m.lora.init, m.lora.dropout)
-    if m.gradient_checkpointing:
-        adapter.enable_gradient_checkpointing()
-    return adapter
-
-
 def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     t = config.train
     kwargs = {"lr": t.lr, "weight_decay": t.weight_decay, "betas": tuple(t.betas), "eps": t.eps}
@@ -103,13 +90,19 @@ class GRPOTrainer:
         project = ProjectConfiguration(project_dir=config.run.output_dir, logging_dir=config.run.output_dir)
         self.accelerator = Accelerator(log_with=config.run.trackers or None, cpu=on_cpu, project_config=project)
         acc = self.accelerator
+        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise ConfigError(
+                f"accelerate's {acc.distributed_type.value} is not supported by this trainer yet (its per-timestep "
+                "gradient accumulation and checkpoints assume replicated LoRA weights and optimizer state); "
+                "launch with DDP: --config_file configs/accelerate/multi_gpu.yaml"
+            )
         validate(config, world_size=acc.num_processes)
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
         self.test_data = PromptDataset.from_file(config.data.test, "data.test") if config.data.test else None
         set_seed(config.run.seed, device_specific=True)
         # Everything that can fail on a bad config runs before the run directory is created.
         self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
-        self.adapter = build_adapter(config, acc.device)
+        self.adapter = build_adapter(config.model, acc.device)
         self.params = self.adapter.trainable_parameters()
         self.optimizer = make_optimizer(config, self.params)
         self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
@@ -177,6 +170,7 @@ class GRPOTrainer:
                 self._log(metrics, epoch)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
                 done = epoch + 1 == cfg.run.epochs
+                self._agree_to_stop()  # a signal may have reached only some processes since the last step
                 if self.stop_requested or done or new_best or (save_every and (epoch + 1) % save_every == 0):
                     path = save_checkpoint(self, epoch + 1)
                     acc.print(f"checkpoint: {path}")
@@ -209,7 +203,7 @@ class GRPOTrainer:
             traj = rollout(
                 self.adapter, prompts, [s.group_id for s in batch], cfg.sampler, window, self.generator,
                 height=cfg.model.resolution, width=cfg.model.resolution, log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata,
+                metadata=metadata, noise_seed=cfg.run.seed,
             )  # fmt: skip
             scorer.submit(traj.images, prompts, metadata)  # scored while the next batch samples
             parts.append(traj)
@@ -228,11 +222,13 @@ class GRPOTrainer:
         gathered = {k: acc.gather(local_scores[k].to(acc.device)).cpu() for k in keys}
         all_group_ids = acc.gather(trajectory.group_ids.to(acc.device)).cpu()
         keep, dropped = apply_nan_policy(gathered, all_group_ids, cfg.grpo.nan_policy, keys=list(self.reward.weights))
-        clean = {k: torch.where(keep, v, torch.zeros_like(v)) for k, v in gathered.items()}
-        advantages_all = compute_advantages(
-            clean, self.reward.weights, all_group_ids, std=cfg.grpo.advantage.std, clip=cfg.grpo.advantage.clip,
-            per_reward=cfg.grpo.advantage.per_reward,
-        ) * keep  # fmt: skip
+        # Dropped groups (non-finite rewards) get advantage 0 and take no part in the statistics of the others.
+        advantages_all = torch.zeros(len(all_group_ids))
+        if keep.any():
+            advantages_all[keep] = compute_advantages(
+                {k: v[keep] for k, v in gathered.items()}, self.reward.weights, all_group_ids[keep],
+                std=cfg.grpo.advantage.std, clip=cfg.grpo.advantage.clip, per_reward=cfg.grpo.advantage.per_reward,
+            )  # fmt: skip
         n_local = len(trajectory)
         # gather() concatenates in process order, so this process's rows are one contiguous block.
         advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]
@@ -284,12 +280,15 @@ class GRPOTrainer:
                 for j in range(steps):
                     backwards += 1
                     sync = backwards % per_update == 0
-                    loss, stats = self._loss(sub, positions[:, j], adv)
-                    finite = acc.gather(torch.isfinite(loss.detach()).reshape(1).float()).min().item() == 1.0
-                    if finite:
-                        ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
-                        with ctx:
+                    # DDP decides in the forward whether the backward all-reduces, so both run inside no_sync.
+                    ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
+                    with ctx:
+                        loss, stats = self._loss(sub, positions[:, j], adv)
+                        finite = self._all_finite(loss)
+                        if finite:
                             acc.backward(loss / per_update)
+                    if finite:
+                        self.state.nonfinite_in_a_row = 0
                         for k, v in stats._asdict().items():
                             sums[k].append(v.item())
                         if updates == 0:  # still on-policy: the ratio must be exactly 1
@@ -297,21 +296,20 @@ class GRPOTrainer:
                                 max(stats.ratio_max.item() - 1.0, 1.0 - stats.ratio_min.item()))
                     else:
                         self._skip_nonfinite()
-                    if sync:
-                        norm = acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
-                        if norm is not None:  # DeepSpeed clips inside its engine and returns None
-                            sums["grad_norm"].append(float(norm))
+                    if not sync:
+                        continue
+                    if finite:
+                        sums["grad_norm"].append(float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)))
                         self.optimizer.step()
-                        self.optimizer.zero_grad(set_to_none=True)
                         if self.ema is not None:
                             self.ema.update(self.params)
                         self.state.global_step += 1
                         updates += 1
-                        if self._agree_to_stop():
-                            model.eval()
-                            return self._summarize(sums)
-                        if finite:
-                            self.state.nonfinite_in_a_row = 0
+                    # else: this cycle's gradients were never all-reduced; every process drops them alike.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self._agree_to_stop():
+                        model.eval()
+                        return self._summarize(sums)
         model.eval()
         return self._summarize(sums)
 
@@ -335,6 +333,11 @@ class GRPOTrainer:
         old = stored_log_probs(sub, positions).to(new.log_prob.device)
         return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
 
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every process (all skip a step together, or none does)."""
+        flag = torch.isfinite(loss.detach()).reshape(1).float()
+        return bool(self.accelerator.gather(flag).min().item() == 1.0)
+
     def _agree_to_stop(self) -> bool:
         """Whether any process got SIGTERM/SIGINT; every process agrees, so all stop after the same step."""
         flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.accelerator.device)
@@ -356,7 +359,10 @@ class GRPOTrainer:
             total = summary.get("total")
             if total is not None and (self.state.best_eval is None or total > self.state.best_eval):
                 self.state.best_eval = total
-        acc.wait_for_everyone()
+        if acc.num_processes > 1:  # every process must agree on the best (it decides who checkpoints)
+            shared = [metrics, self.state.best_eval]
+            broadcast_object_list(shared)
+            metrics, self.state.best_eval = shared
         return metrics
 
     def _skip_nonfinite(self) -> None:

@@ -13,7 +13,7 @@ from ._core import (
     transition_kl,
 )
 from .schedule import calculate_shift, pipeline_schedule
-from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode
+from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode, solver_step
 from .steps import (
     DIFFUSIONS,
     SDE_KINDS,
@@ -52,5 +52,6 @@ __all__ = [
     "pipeline_schedule",
     "reduce_per_sample",
     "sde_step",
+    "solver_step",
     "transition_kl",
 ]

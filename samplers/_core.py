@@ -104,22 +104,24 @@ def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor | float, reduce:
     Elements with ``std == 0`` (a deterministic step) contribute 0 instead of ±inf.
     """
     sample, mean = sample.float(), mean.float()
-    std = torch.as_tensor(std, dtype=torch.float32, device=mean.device)
-    positive = std > 0
-    safe_std = torch.where(positive, std, torch.ones_like(std))
-    per_element = -((sample.detach() - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    per_element = torch.where(positive, per_element, torch.zeros_like(per_element))
-    return reduce_per_sample(per_element, reduce)
+    std, positive = _safe_std(std, mean.device)
+    per_element = -((sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return reduce_per_sample(torch.where(positive, per_element, torch.zeros_like(per_element)), reduce)
 
 
 def gaussian_kl(mean_p: Tensor, mean_q: Tensor, std: Tensor | float, reduce: Reduce = "mean") -> Tensor:
     """KL(N(mean_p, std²) ‖ N(mean_q, std²)) = (mean_p - mean_q)² / (2 std²), reduced per sample."""
-    std = torch.as_tensor(std, dtype=torch.float32, device=mean_p.device)
+    std, positive = _safe_std(std, mean_p.device)
+    per_element = (mean_p.float() - mean_q.float()) ** 2 / (2 * std**2)
+    return reduce_per_sample(torch.where(positive, per_element, torch.zeros_like(per_element)), reduce)
+
+
+def _safe_std(std: Tensor | float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(std with zeros replaced by 1, mask of std > 0)``: a deterministic step contributes 0, and no inf/NaN
+    reaches the gradient through the masked branch."""
+    std = torch.as_tensor(std, dtype=torch.float32, device=device)
     positive = std > 0
-    safe_std = torch.where(positive, std, torch.ones_like(std))
-    per_element = (mean_p.float() - mean_q.float()) ** 2 / (2 * safe_std**2)
-    per_element = torch.where(positive, per_element, torch.zeros_like(per_element))
-    return reduce_per_sample(per_element, reduce)
+    return torch.where(positive, std, torch.ones_like(std)), positive
 
 
 KLConvention = Literal["exact", "flowgrpo"]

@@ -76,6 +76,22 @@ def compress_schedule(sigmas: Tensor, after: int, ratio: float) -> Tensor:
     return torch.cat([sigmas[:after], sigmas[index]])
 
 
+SolverHistory = tuple[Tensor, Tensor] | None  # (previous x0_hat, previous t) for multistep solvers
+
+
+def solver_step(
+    solver: Solver, v: Tensor, x: Tensor, t: TimeLike, t_next: TimeLike, history: SolverHistory = None
+) -> tuple[Tensor, SolverHistory]:
+    """One ODE step with ``solver``; pass the returned history to the next call (None to start)."""
+    if solver == "euler":
+        return ode_step(v, x, t, t_next), None
+    if solver == "dpmpp_2m":
+        prev_x0, t_prev = history if history is not None else (None, None)
+        x_next, x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
+        return x_next, (x0, torch.as_tensor(t))
+    raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+
+
 def integrate_ode(
     velocity_fn: Callable[[Tensor, Tensor], Tensor],
     x: Tensor,
@@ -85,12 +101,7 @@ def integrate_ode(
     """Integrate the probability-flow ODE over ``sigmas`` (decreasing) with one network call per step."""
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    prev_x0 = t_prev = None
+    history: SolverHistory = None
     for t, t_next in zip(sigmas[:-1], sigmas[1:], strict=True):
-        v = velocity_fn(x, t)
-        if solver == "euler":
-            x = ode_step(v, x, t, t_next)
-        else:
-            x, prev_x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
-            t_prev = t
+        x, history = solver_step(solver, velocity_fn(x, t), x, t, t_next, history)
     return x

@@ -28,8 +28,11 @@ class SlidingWindow:
             ``decay`` / ``exp_decay`` — like progressive, but the iterations spent at start ``s`` shrink
             as ``shift_interval · (1 - decay_rate · relu(s - decay_threshold))`` or MixGRPO's
             ``shift_interval · exp(-decay_rate · relu(s - decay_threshold))`` (at least 1).
+        shift_interval, stride: iterations per position and steps per move (progressive and decay strategies).
         roll_back: moving strategies go back to start 0 after the last position instead of staying there.
         seed: seeds the ``random`` strategy (together with the iteration).
+        max_start: ``random`` only, the largest start (default: the last start where the full window fits).
+        decay_rate, decay_threshold: ``decay`` / ``exp_decay``, the ``k`` and ``thr`` of the formulas above.
     """
 
     def __init__(

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowgrpo.data import PromptDataset
     from flowgrpo.evaluation import evaluate, write_report
     from flowgrpo.export import adapter_from_checkpoint, run_config
-    from rewards import build_reward
+    from rewards import RewardError, build_reward
 
     try:
         overrides = ["run.resume=null", *args.overrides]
@@ -39,9 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary, images, prompts, scores = evaluate(
-        adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed, progress=True
-    )
+    try:
+        summary, images, prompts, scores = evaluate(
+            adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed,
+            progress=True,
+        )  # fmt: skip
+    except RewardError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     out = Path(args.out) if args.out else Path(args.checkpoint) / "eval"
     write_report(out, summary, images, prompts, scores, name="eval_ema" if args.ema else "eval")
     print(json.dumps(summary, indent=2))

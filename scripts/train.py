@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from flowgrpo.config import load_config
-    from flowgrpo.trainer import GRPOTrainer
+    from flowgrpo.trainer import GRPOTrainer, TrainingError
+    from rewards import RewardError
 
     try:
         config = load_config(args.config, args.overrides)
@@ -27,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
         return 2
     trainer.accelerator.print(f"run directory: {trainer.run_dir}")
-    trainer.fit()
+    try:
+        trainer.fit()
+    except (TrainingError, RewardError) as err:  # messages written for people: no traceback
+        print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
+        return 1
     trainer.accelerator.print(f"done: {trainer.run_dir}")
     return 0
 

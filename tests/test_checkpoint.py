@@ -86,6 +86,20 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
     assert all(torch.isfinite(p).all() for p in trainer.params)
     assert any(not torch.equal(p, q) for p, q in zip(trainer.params, before, strict=True))
 
+    # A non-finite loss on the step that would sync gradients (call 5 of 5 per update): that whole update is
+    # dropped (its gradients were never all-reduced), the next one goes ahead.
+    calls["n"] = 0
+
+    def nan_on_sync(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), stats) if calls["n"] == 5 else (loss, stats)
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", nan_on_sync)
+    trainer = _trainer(tmp_path, "run.epochs=1")
+    trainer.fit()
+    assert trainer.state.global_step == 1 and all(p.grad is None for p in trainer.params)
+
     monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"),
                                                                       real_loss(*a, **k)[1]))  # fmt: skip
     trainer = _trainer(tmp_path, "run.epochs=1", "run.max_nonfinite_steps=3")

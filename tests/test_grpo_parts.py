@@ -103,6 +103,11 @@ def test_config_overrides_types_and_defaults(tmp_path):
         (["train.lr=fast"], r"train.lr: expected a number"),
         (["grpo.group_size=1"], r"group_size must be >= 2"),
         (["oops"], r"key.sub=value"),
+        (["train.gradient_accumulation=4", "grpo.group_size=4", "grpo.groups_per_epoch=4", "sampler.batch_size=8",
+          "train.batch_size=8"], r"must divide the 2 micro-batches"),
+        (["checkpoint.keep_last=0"], r"checkpoint.keep_last must be >= 1"),
+        (["run.log_every=0"], r"run.log_every must be >= 1"),
+        (["sampler.kappa=0"], r"sampler.kappa must be > 0"),
     ],
 )
 def test_config_errors_name_key_and_fix(overrides, message):

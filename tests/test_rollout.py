@@ -112,12 +112,18 @@ def test_window_stores_exactly_its_steps_and_mixgrpo_flash_compresses_the_tail(k
             torch.testing.assert_close(traj.sigmas, full[list(window)])
 
 
-def test_shared_initial_noise_within_groups(kind):
+def test_shared_initial_noise_within_groups_across_batches(kind):
     adapter = _adapter(kind)
     noise = adapter.initial_noise(4, SIZE, SIZE, generator=torch.Generator().manual_seed(0),
-                                  group_ids=[5, 5, 9, 9], same_within_group=True)  # fmt: skip
+                                  group_ids=[5, 5, 9, 9], same_within_group=True, noise_seed=3)  # fmt: skip
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])
     assert not torch.equal(noise[0], noise[2])
+    # Another batch (or another process) holding copies of group 9 draws the same noise for them.
+    other = adapter.initial_noise(2, SIZE, SIZE, generator=torch.Generator().manual_seed(1), group_ids=[9, 7],
+                                  same_within_group=True, noise_seed=3)  # fmt: skip
+    assert torch.equal(other[0], noise[2])
+    reseeded = adapter.initial_noise(1, SIZE, SIZE, group_ids=[9], same_within_group=True, noise_seed=4)
+    assert not torch.equal(reseeded[0], noise[2])
 
 
 def test_lora_trains_only_adapter_weights_and_disabled_adapter_is_the_base_model(kind):
@@ -214,5 +220,5 @@ def test_per_sample_shuffled_steps_rescore_exactly(kind):
     from flowgrpo.rollout import stored_log_probs
 
     expected = stored_log_probs(traj, steps)
-    assert torch.equal(expected, traj.log_probs[torch.arange(4), steps])
+    assert torch.equal(expected, torch.stack([traj.log_probs[i, int(steps[i])] for i in range(4)]))
     torch.testing.assert_close(again.log_prob, expected, rtol=1e-6, atol=1e-6)

@@ -116,7 +116,8 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "scripts/train.py", "--config", str(TINY),
            f"run.output_dir={tmp_path}", "run.epochs=2", "run.debug_dump=true", "run.progress=false",
-           "sampler.batch_size=4", "train.batch_size=4", "eval.every=0"]  # fmt: skip
+           "sampler.batch_size=4", "train.batch_size=4", "train.gradient_accumulation=2", "eval.every=1",
+           "checkpoint.every=1"]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (run_dir,) = list(tmp_path.iterdir())
@@ -134,6 +135,9 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
 
         single = group_advantages(gathered_total, gathered_ids, std="group", clip=5.0)
         torch.testing.assert_close(torch.cat([d["advantages"] for d in ranks]), single)
+    # Evaluation ran on rank 0 only, yet every rank took part in the best-checkpoint decisions.
+    assert (run_dir / "eval" / "epoch00002.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch-00001", "epoch-00002"]
     finals = [torch.load(debug / f"final_rank{r}.pt") for r in range(2)]
     assert finals[0].keys() == finals[1].keys()
     for key in finals[0]:

@@ -11,6 +11,21 @@ from .sd3 import SD3Adapter
 ADAPTERS: dict[str, type[PipelineAdapter]] = {"sd3": SD3Adapter, "flux": FluxAdapter}
 
 
+def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> PipelineAdapter:
+    """Load ``model.pretrained`` (a ``ModelConfig``) and set it up: LoRA, attention, checkpointing, size check."""
+    from ..pipelines import load_pipeline
+
+    pipe = load_pipeline(model.pretrained, kind=model.kind, dtype=dtype or model.dtype, device=device)
+    adapter = make_adapter(pipe, negative_prompt=model.negative_prompt)
+    adapter.check_size(model.resolution, model.resolution)
+    adapter.set_attention_backend(model.attention)
+    lora = model.lora
+    adapter.add_lora(lora.rank, lora.alpha, lora.target_modules, lora.init, lora.dropout)
+    if model.gradient_checkpointing:
+        adapter.enable_gradient_checkpointing()
+    return adapter
+
+
 def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
     """The adapter for a loaded diffusers pipeline (kind from its class)."""
     name = type(pipe).__name__
@@ -21,4 +36,7 @@ def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
     raise ValueError(f"no adapter for {name}: supported pipelines are StableDiffusion3Pipeline and FluxPipeline")
 
 
-__all__ = ["ADAPTERS", "FluxAdapter", "PipelineAdapter", "PromptEmbeds", "SD3Adapter", "make_adapter", "unwrap"]
+__all__ = [
+    "ADAPTERS", "FluxAdapter", "PipelineAdapter", "PromptEmbeds", "SD3Adapter", "build_adapter", "make_adapter",
+    "unwrap",
+]  # fmt: skip

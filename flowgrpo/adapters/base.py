@@ -48,9 +48,6 @@ class PromptEmbeds:
             values[f.name] = None if any(v is None for v in items) else torch.cat(items)
         return PromptEmbeds(**values)
 
-    def to(self, device: torch.device | str) -> PromptEmbeds:
-        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
-
 
 def _take(value: Tensor | None, index: Any) -> Tensor | None:
     if value is None:
@@ -58,10 +55,6 @@ def _take(value: Tensor | None, index: Any) -> Tensor | None:
     if isinstance(index, Tensor):
         index = index.to(value.device)
     return value[index]
-
-
-def _move(value: Tensor | None, device: torch.device | str) -> Tensor | None:
-    return None if value is None else value.to(device)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -197,21 +190,28 @@ class PipelineAdapter:
         generator: torch.Generator | None = None,
         group_ids: Tensor | Sequence[int] | None = None,
         same_within_group: bool = False,
+        noise_seed: int = 0,
     ) -> Tensor:
-        """``N(0, I)`` latents ``[B, *latent_shape]``; ``same_within_group`` shares one draw per group id."""
+        """``N(0, I)`` latents ``[B, *latent_shape]``.
+
+        same_within_group: every image of a group gets the same draw, seeded by ``(noise_seed, group id)`` so
+        that copies of a group in other batches or on other processes match too.
+        """
         self.check_size(height, width)
         shape = self.latent_shape(height, width)
-        device = generator.device if generator is not None else self.device
         if same_within_group:
             if group_ids is None:
                 raise ValueError("same_within_group needs group_ids")
             ids = torch.as_tensor(list(group_ids) if not isinstance(group_ids, Tensor) else group_ids)
             if ids.shape != (batch_size,):
                 raise ValueError(f"group_ids must have shape ({batch_size},), got {tuple(ids.shape)}")
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            draws = torch.randn((len(unique), *shape), generator=generator, device=device, dtype=torch.float32)
-            noise = draws[inverse.to(device)]
+            draws = {}
+            for group in ids.unique().tolist():
+                group_generator = torch.Generator().manual_seed(noise_seed * 1_000_003 + int(group))
+                draws[group] = torch.randn(shape, generator=group_generator, dtype=torch.float32)
+            noise = torch.stack([draws[g] for g in ids.tolist()])
         else:
+            device = generator.device if generator is not None else self.device
             noise = torch.randn((batch_size, *shape), generator=generator, device=device, dtype=torch.float32)
         return noise.to(device=self.device, dtype=self.dtype)
 
