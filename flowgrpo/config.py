@@ -59,6 +59,7 @@ class ModelConfig:
     pretrained: str = "tiny-sd3"  # hub id, local diffusers directory, or "tiny-sd3" / "tiny-flux" (offline)
     kind: str = "auto"  # sd3 | flux | auto (from model_index.json)
     dtype: str = "fp32"  # weights: bf16 | fp16 | fp32 (sampler maths always fp32; LoRA weights fp32)
+    vae_fp32: bool = False  # keep the VAE in float32 whatever model.dtype (fp16 VAEs can overflow)
     resolution: int = 512  # square images, pixels
     lora: LoraSettings = field(default_factory=LoraSettings)
     attention: str = "sdpa"  # sdpa | xformers (CUDA only)

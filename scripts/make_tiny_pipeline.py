@@ -1,6 +1,6 @@
 """Save a tiny random-weight SD3 / FLUX pipeline as a normal diffusers directory (safetensors).
 
-    python scripts/make_tiny_pipeline.py OUT --kind sd3|flux [--seed N] [--dtype fp32]
+    python scripts/make_tiny_pipeline.py OUT --kind sd3|flux [--seed N] [--dtype fp32] [--vae kl|tiny]
 
 The result opens with ``flowgrpo.pipelines.load_pipeline(OUT)`` or the diffusers class itself
 (``StableDiffusion3Pipeline.from_pretrained(OUT)`` / ``FluxPipeline.from_pretrained(OUT)``) and gives
@@ -22,9 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind", required=True, choices=TINY_KINDS)
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> identical weights)")
     parser.add_argument("--dtype", default="fp32", help="bf16 | fp16 | fp32 (default fp32)")
+    parser.add_argument("--vae", default="kl", choices=["kl", "tiny"],
+                        help="kl: AutoencoderKL with the real scaling factors; tiny: normalisation-free (as -taesd)")
     args = parser.parse_args(argv)
 
-    pipe = build_tiny_pipeline(args.kind, seed=args.seed, dtype=parse_dtype(args.dtype))
+    pipe = build_tiny_pipeline(args.kind, seed=args.seed, dtype=parse_dtype(args.dtype), vae=args.vae)
     pipe.save_pretrained(args.out, safe_serialization=True)
     sizes = ", ".join(f"{k}={v}" for k, v in TINY_SIZES[args.kind].items())
     print(f"saved tiny {args.kind} pipeline (seed {args.seed}) to {args.out}: {sizes}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import PipelineAdapter, PromptEmbeds, unwrap
 from .flux import FluxAdapter
 from .sd3 import SD3Adapter
@@ -16,6 +18,8 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
     from ..pipelines import load_pipeline
 
     pipe = load_pipeline(model.pretrained, kind=model.kind, dtype=dtype or model.dtype, device=device)
+    if model.vae_fp32:
+        pipe.vae.to(torch.float32)
     adapter = make_adapter(pipe, negative_prompt=model.negative_prompt)
     adapter.check_size(model.resolution, model.resolution)
     adapter.set_attention_backend(model.attention)
