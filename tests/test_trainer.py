@@ -142,3 +142,22 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
     assert finals[0].keys() == finals[1].keys()
     for key in finals[0]:
         assert torch.equal(finals[0][key], finals[1][key]), key
+
+
+def test_nonfinite_rewards_drop_their_groups_or_stop_clearly(tmp_path):
+    from rewards import NonFiniteRewardError
+
+    spec = "rewards={nan_reward_helper:NanForCats: 1.0}"
+    # 8 prompts, 4 groups per epoch drawn without replacement: over 3 epochs the cat prompt shows up.
+    trainer, _, rows = _train(tmp_path, spec, "grpo.nan_policy=drop", "run.epochs=3", "eval.every=0",
+                              "run.debug_dump=true")  # fmt: skip
+    dropped = [r["reward/dropped_groups"] for r in rows]
+    assert sum(dropped) >= 1 and all(d <= 1 for d in dropped)
+    for epoch in range(3):
+        dump = torch.load(trainer.run_dir / "debug" / f"epoch{epoch}_rank0.pt")
+        bad = ~torch.isfinite(dump["all_total"])
+        assert torch.equal(dump["advantages_all"][bad], torch.zeros(int(bad.sum())))
+        assert torch.isfinite(dump["advantages_all"]).all()
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
+    with pytest.raises(NonFiniteRewardError, match="non-finite"):
+        _train(tmp_path, spec, "run.epochs=3", "eval.every=0")
