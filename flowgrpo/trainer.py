@@ -206,6 +206,7 @@ class GRPOTrainer:
                 metadata=metadata, noise_seed=cfg.run.seed,
             )  # fmt: skip
             scorer.submit(traj.images, prompts, metadata)  # scored while the next batch samples
+            traj.images = traj.images.cpu()  # kept for image grids only: free the device memory
             parts.append(traj)
         trajectory = Trajectory.cat(parts)
         timings["time/sampling"] = time.perf_counter() - start
