@@ -30,6 +30,56 @@ def ode_sampler(eval_config: EvalConfig) -> SamplerConfig:
 
 
 @torch.no_grad()
+def evaluate_shard(
+    adapter: PipelineAdapter,
+    dataset: PromptDataset,
+    reward: Any,
+    eval_config: EvalConfig,
+    *,
+    resolution: int,
+    seed: int = 0,
+    progress: bool = False,
+    shard: tuple[int, int] = (0, 1),
+) -> tuple[list[int], Tensor, dict[str, Tensor]]:
+    """ODE samples and scores of this shard's prompts (every ``world``-th from ``rank``): (indices, images, scores).
+
+    Each prompt's initial noise comes from ``(seed, prompt index)``, so an image does not depend on the batching
+    or on how the prompts are split over processes.
+    """
+    count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
+    rank, world = shard
+    indices = list(range(rank, count, world))
+    sampler = ode_sampler(eval_config)
+    images, scores = [], defaultdict(list)
+    generator = torch.Generator()
+    batches = [indices[i : i + eval_config.batch_size] for i in range(0, len(indices), eval_config.batch_size)]
+    for batch in tqdm(batches, desc="evaluating", disable=not progress, leave=False):
+        latents = torch.cat([
+            adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed * 1_000_003 + i))
+            for i in batch
+        ])  # fmt: skip
+        texts = [dataset.prompts[i] for i in batch]
+        meta = [dict(dataset.metadata[i]) for i in batch]
+        traj = rollout(adapter, texts, list(batch), sampler, range(0, 0), height=resolution, width=resolution,
+                       initial_latents=latents, metadata=meta)  # fmt: skip
+        for k, v in reward(traj.images, texts, meta).items():
+            scores[k].append(v.float().cpu())
+        images.append(traj.images.cpu())
+    empty = torch.zeros(0, 3, resolution, resolution)
+    return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
+
+
+def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:
+    """``{reward: mean}`` plus ``"{reward}/tag/{tag}"`` means when the prompts' metadata carry a ``tag``."""
+    summary = {k: v.mean().item() for k, v in scores.items()}
+    tags = [dataset.metadata[i].get("tag") for i in indices]
+    for tag in sorted({t for t in tags if t is not None}):
+        mask = torch.tensor([t == tag for t in tags])
+        for k, v in scores.items():
+            summary[f"{k}/tag/{tag}"] = v[mask].mean().item()
+    return summary
+
+
 def evaluate(
     adapter: PipelineAdapter,
     dataset: PromptDataset,
@@ -41,41 +91,10 @@ def evaluate(
     progress: bool = False,
     shard: tuple[int, int] = (0, 1),
 ) -> tuple[dict[str, float], Tensor, list[str], dict[str, Tensor]]:
-    """Sample every test prompt once with the ODE; returns (summary, images, prompts, scores).
-
-    summary: ``{reward: mean}`` plus ``"{reward}/tag/{tag}"`` means when the prompts carry a ``tag``.
-    shard: (rank, world_size) — this process evaluates every world_size-th prompt.
-    """
-    count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
-    rank, world = shard
-    indices = list(range(rank, count, world))
-    sampler = ode_sampler(eval_config)
-    images, prompts, scores = [], [], defaultdict(list)
-    generator = torch.Generator().manual_seed(seed)
-    batches = [indices[i : i + eval_config.batch_size] for i in range(0, len(indices), eval_config.batch_size)]
-    for batch in tqdm(batches, desc="evaluating", disable=not progress, leave=False):
-        # Per-prompt noise from (seed, prompt index): the same image whatever the batching or sharding.
-        latents = torch.cat([
-            adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed * 1_000_003 + i))
-            for i in batch
-        ])  # fmt: skip
-        texts = [dataset.prompts[i] for i in batch]
-        meta = [dict(dataset.metadata[i]) for i in batch]
-        traj = rollout(adapter, texts, list(batch), sampler, range(0, 0), height=resolution, width=resolution,
-                       initial_latents=latents, metadata=meta)  # fmt: skip
-        out = reward(traj.images, texts, meta)
-        for k, v in out.items():
-            scores[k].append(v.float())
-        images.append(traj.images.cpu())
-        prompts += texts
-    merged = {k: torch.cat(v) for k, v in scores.items()}
-    summary = {k: v.mean().item() for k, v in merged.items()}
-    tags = [dataset.metadata[i].get("tag") for i in indices]
-    for tag in sorted({t for t in tags if t is not None}):
-        mask = torch.tensor([t == tag for t in tags])
-        for k, v in merged.items():
-            summary[f"{k}/tag/{tag}"] = v[mask].mean().item()
-    return summary, torch.cat(images), prompts, merged
+    """Sample the (shard's) test prompts once with the ODE; returns (summary, images, prompts, scores)."""
+    indices, images, scores = evaluate_shard(adapter, dataset, reward, eval_config, resolution=resolution,
+                                             seed=seed, progress=progress, shard=shard)  # fmt: skip
+    return summarize(dataset, indices, scores), images, [dataset.prompts[i] for i in indices], scores
 
 
 def image_grid(
@@ -97,10 +116,12 @@ def image_grid(
 
 def write_report(folder: Path, summary: dict[str, float], images: Tensor, prompts: list[str],
                  scores: dict[str, Tensor], *, name: str = "eval") -> None:  # fmt: skip
-    """``{name}.json`` (means and per-image scores) and ``{name}.png`` (the grid) in ``folder``."""
+    """``{name}.json`` (means and per-image scores) and ``{name}.png`` (a grid of ``images``, which may be
+    the first few of ``prompts`` only) in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     per_image = [{"prompt": p, **{k: float(v[i]) for k, v in scores.items()}} for i, p in enumerate(prompts)]
     (folder / f"{name}.json").write_text(json.dumps({"summary": summary, "images": per_image}, indent=2))
     total = scores.get("total")
     captions = [f"{float(total[i]):.3g} {p}" if total is not None else p for i, p in enumerate(prompts)]
-    image_grid(images, captions).save(folder / f"{name}.png")
+    if len(images):
+        image_grid(images, captions[: len(images)]).save(folder / f"{name}.png")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, apply_nan_policy, build_reward
@@ -36,9 +36,11 @@ from .checkpoint import checkpoint_name, load_checkpoint, resolve_resume, save_c
 from .config import Config, ConfigError, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
-from .evaluation import evaluate, image_grid, write_report
+from .evaluation import evaluate_shard, image_grid, summarize, write_report
 from .loss import grpo_loss
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
+
+GRID_IMAGES = 64  # evaluation images gathered for the report's grid (scores are gathered for every prompt)
 
 
 class TrainingError(RuntimeError):
@@ -346,15 +348,29 @@ class GRPOTrainer:
         return self.stop_requested
 
     def run_eval(self, epoch: int) -> dict[str, float]:
-        """ODE sampling on the test prompts (rank 0; the others wait); ``eval/...`` metrics and a report."""
-        acc = self.accelerator
+        """ODE sampling on the test prompts, split over processes; ``eval/...`` metrics and a report (rank 0)."""
+        acc, cfg = self.accelerator, self.config
+        if self.test_data is None:
+            return {}
+        # The bare model: no DDP collectives in these forwards, so shards of unequal size are fine.
+        with self.adapter.unwrapped():
+            indices, images, scores = evaluate_shard(
+                self.adapter, self.test_data, self.reward, cfg.eval, resolution=cfg.model.resolution,
+                seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes),
+            )  # fmt: skip
+        keep = sum(1 for i in indices if i < GRID_IMAGES)  # only the first prompts' images travel, for the grid
+        parts = [(indices, images[:keep], scores)]
+        if acc.num_processes > 1:
+            parts = gather_object(parts)
         metrics: dict[str, float] = {}
-        if self.test_data is not None and acc.is_main_process:
-            with self.adapter.unwrapped():
-                summary, images, prompts, scores = evaluate(
-                    self.adapter, self.test_data, self.reward, self.config.eval,
-                    resolution=self.config.model.resolution, seed=self.config.run.seed, progress=self._bars,
-                )  # fmt: skip
+        if acc.is_main_process:
+            order = sorted((i, r, j) for r, (idx, _, _) in enumerate(parts) for j, i in enumerate(idx))
+            indices = [i for i, _, _ in order]
+            scores = {k: torch.stack([parts[r][2][k][j] for _, r, j in order]) for k in parts[0][2]}
+            grid = [parts[r][1][j] for i, r, j in order if i < GRID_IMAGES]
+            summary = summarize(self.test_data, indices, scores)
+            prompts = [self.test_data.prompts[i] for i in indices]
+            images = torch.stack(grid) if grid else torch.zeros(0)
             write_report(self.run_dir / "eval", summary, images, prompts, scores, name=f"epoch{epoch:05d}")
             metrics = {f"eval/{k}": v for k, v in summary.items()}
             total = summary.get("total")

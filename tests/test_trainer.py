@@ -135,8 +135,12 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
 
         single = group_advantages(gathered_total, gathered_ids, std="group", clip=5.0)
         torch.testing.assert_close(torch.cat([d["advantages"] for d in ranks]), single)
-    # Evaluation ran on rank 0 only, yet every rank took part in the best-checkpoint decisions.
-    assert (run_dir / "eval" / "epoch00002.json").is_file()
+    # Evaluation was split over both ranks and gathered: every test prompt once, in file order; every rank took
+    # part in the best-checkpoint decisions.
+    report = json.loads((run_dir / "eval" / "epoch00002.json").read_text())
+    test_prompts = (ROOT / "configs" / "prompts" / "tiny_test.txt").read_text().split("\n")
+    assert [r["prompt"] for r in report["images"]] == [p for p in test_prompts if p]
+    assert (run_dir / "eval" / "epoch00002.png").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch-00001", "epoch-00002"]
     finals = [torch.load(debug / f"final_rank{r}.pt") for r in range(2)]
     assert finals[0].keys() == finals[1].keys()
