@@ -81,19 +81,10 @@ def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
 
 
 def evaluate(
-    adapter: PipelineAdapter,
-    dataset: PromptDataset,
-    reward: Any,
-    eval_config: EvalConfig,
-    *,
-    resolution: int,
-    seed: int = 0,
-    progress: bool = False,
-    shard: tuple[int, int] = (0, 1),
+    adapter: PipelineAdapter, dataset: PromptDataset, reward: Any, eval_config: EvalConfig, **options: Any
 ) -> tuple[dict[str, float], Tensor, list[str], dict[str, Tensor]]:
-    """Sample the (shard's) test prompts once with the ODE; returns (summary, images, prompts, scores)."""
-    indices, images, scores = evaluate_shard(adapter, dataset, reward, eval_config, resolution=resolution,
-                                             seed=seed, progress=progress, shard=shard)  # fmt: skip
+    """:func:`evaluate_shard` then :func:`summarize`: (summary, images, prompts, scores); same options."""
+    indices, images, scores = evaluate_shard(adapter, dataset, reward, eval_config, **options)
     return summarize(dataset, indices, scores), images, [dataset.prompts[i] for i in indices], scores
 
 
