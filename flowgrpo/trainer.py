@@ -107,8 +107,9 @@ class GRPOTrainer:
         self.adapter = build_adapter(config.model, acc.device)
         self.params = self.adapter.trainable_parameters()
         self.optimizer = make_optimizer(config, self.params)
-        self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
         self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
+        # After prepare: DDP has broadcast rank 0's initial adapter weights, so every EMA starts from them.
+        self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
         self.window = make_window(config)
         self.state = TrainState()
         run = config.run
@@ -424,7 +425,9 @@ class GRPOTrainer:
     def _finish(self) -> None:
         acc = self.accelerator
         if self.config.run.debug_dump:
-            self._dump("final", **{f"p{i}": p for i, p in enumerate(self.params)})
+            shadow = self.ema.shadow if self.ema is not None else []
+            self._dump("final", **{f"p{i}": p for i, p in enumerate(self.params)},
+                       **{f"ema{i}": s for i, s in enumerate(shadow)})  # fmt: skip
         acc.wait_for_everyone()
         acc.end_training()
 

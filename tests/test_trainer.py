@@ -117,6 +117,7 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
            "scripts/train.py", "--config", str(TINY),
            f"run.output_dir={tmp_path}", "run.epochs=2", "run.debug_dump=true", "run.progress=false",
            "sampler.batch_size=4", "train.batch_size=4", "train.gradient_accumulation=2", "eval.every=1",
+           "train.ema=0.5",
            "checkpoint.every=1"]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -143,7 +144,7 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
     assert (run_dir / "eval" / "epoch00002.png").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch-00001", "epoch-00002"]
     finals = [torch.load(debug / f"final_rank{r}.pt") for r in range(2)]
-    assert finals[0].keys() == finals[1].keys()
+    assert finals[0].keys() == finals[1].keys() and any(k.startswith("ema") for k in finals[0])
     for key in finals[0]:
         assert torch.equal(finals[0][key], finals[1][key]), key
 
