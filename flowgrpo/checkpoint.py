@@ -75,9 +75,9 @@ def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load adapter weights; every LoRA weight of the model must be in ``state`` and nothing else."""
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    missing = sorted(set(lora_state(model)) - set(state))
+    missing = sorted(set(get_peft_model_state_dict(model)) - set(state))
     if missing:
         raise CheckpointError(f"the checkpoint lacks adapter weights of this model (e.g. {missing[0]}): "
                               "was it trained with other model.lora settings?")  # fmt: skip
@@ -114,7 +114,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(trainer: Any, epoch: int) -> Path | None:
+def save_checkpoint(trainer: Any, epoch: int) -> Path:
     """Write ``<run>/checkpoints/epoch-NNNNN`` atomically (all processes call this; rank 0 writes the shared parts)."""
     acc = trainer.accelerator
     folder = trainer.run_dir / CHECKPOINTS
@@ -143,7 +143,6 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path | None:
                           str(tmp / "ema.safetensors"), metadata={"decay": str(trainer.ema.decay)})  # fmt: skip
             torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
             state = {**asdict(trainer.state), "epoch": epoch, "world_size": acc.num_processes}
-            state.pop("history", None)
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
         failure = err
@@ -153,9 +152,13 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path | None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise failure
     if acc.is_main_process:
+        # Re-saving an epoch: move the old copy aside first, so some complete copy exists at every moment.
+        old = folder / f".old-{final.name}"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         _prune(folder, trainer.config.checkpoint.keep_last, trainer.state.best_checkpoint)
     acc.wait_for_everyone()
     return final

@@ -18,15 +18,3 @@ class EMA:
     def update(self, params: Iterable[torch.nn.Parameter]) -> None:
         for s, p in zip(self.shadow, params, strict=True):
             s.lerp_(p.detach().float(), 1 - self.decay)
-
-    @torch.no_grad()
-    def copy_to(self, params: Iterable[torch.nn.Parameter]) -> None:
-        for s, p in zip(self.shadow, params, strict=True):
-            p.copy_(s.to(p.dtype))
-
-    def state_dict(self) -> dict[str, object]:
-        return {"decay": self.decay, "shadow": [s.clone() for s in self.shadow]}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.decay = float(state["decay"])
-        self.shadow = [s.clone() for s in state["shadow"]]

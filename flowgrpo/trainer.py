@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,6 @@ class TrainState:
     nonfinite_in_a_row: int = 0
     best_eval: float | None = None
     best_checkpoint: str | None = None  # name of the checkpoint with the best eval reward (never pruned)
-    history: list[dict[str, float]] = field(default_factory=list)
 
 
 def make_window(config: Config) -> SlidingWindow:
@@ -169,7 +168,6 @@ class GRPOTrainer:
                     new_best = self.state.best_eval is not None and self.state.best_eval != best_before
                     if new_best:
                         self.state.best_checkpoint = checkpoint_name(epoch + 1)
-                self.state.history.append(metrics)
                 self._log(metrics, epoch)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
                 done = epoch + 1 == cfg.run.epochs
