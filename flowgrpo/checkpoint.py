@@ -3,7 +3,9 @@
     <run>/checkpoints/epoch-00020/
         adapter.safetensors     LoRA weights (peft names, float32)     adapter_config.json  the LoraConfig
         ema.safetensors         EMA of the adapter weights (if train.ema > 0)
-        optimizer.pt            optimizer state (tensors and numbers only: loaded with weights_only=True)
+        optimizer.pt            optimizer state (tensors and numbers only: loaded with weights_only=True);
+                                under DeepSpeed instead deepspeed/ (its files: trainable weights and every
+                                process's optimizer shard), under FSDP optimizer_rank{r}.pt
         state.json              epoch, optimizer steps, best eval reward, … (the sliding window and the
                                 epoch's prompt plan are functions of the epoch, so this restores them too)
         rng_rank{r}.pt          torch / numpy / python RNG states of every process
@@ -25,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from .parallel import load_optimizer, save_optimizer
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "epoch-"
@@ -131,6 +135,7 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
     try:
         # RNG states are per process; everything else is replicated (DDP) and written once.
         torch.save(_rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
+        save_optimizer(acc, trainer.optimizer, tmp)  # all processes: may be sharded
         if acc.is_main_process:
             model = unwrap(trainer.adapter.transformer)
             save_file(lora_state(model), str(tmp / "adapter.safetensors"))
@@ -141,7 +146,6 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
                 names = trainable_names(model)
                 save_file({n: s.contiguous().cpu() for n, s in zip(names, trainer.ema.shadow, strict=True)},
                           str(tmp / "ema.safetensors"), metadata={"decay": str(trainer.ema.decay)})  # fmt: skip
-            torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
             state = {**asdict(trainer.state), "epoch": epoch, "world_size": acc.num_processes}
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
@@ -177,9 +181,8 @@ def load_checkpoint(trainer: Any, checkpoint: Path) -> None:
 
     acc = trainer.accelerator
     model = unwrap(trainer.adapter.transformer)
-    load_lora_state(model, load_file(str(checkpoint / "adapter.safetensors"), device=str(acc.device)))
-    optimizer_state = torch.load(checkpoint / "optimizer.pt", map_location=acc.device, weights_only=True)
-    trainer.optimizer.load_state_dict(optimizer_state)
+    load_lora_state(model, load_file(str(checkpoint / "adapter.safetensors")))  # copied onto the device by load
+    load_optimizer(acc, trainer.optimizer, checkpoint)
     if trainer.ema is not None:
         ema = read_weights(checkpoint, ema=True)
         trainer.ema.shadow = [ema[name].to(acc.device) for name in trainable_names(model)]

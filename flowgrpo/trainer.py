@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import time
 from collections import defaultdict
@@ -38,6 +37,7 @@ from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
 from .loss import grpo_loss
+from .parallel import check_launch, cpu_launch_kwargs, is_deepspeed, zero_loss
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
 
 GRID_IMAGES = 64  # evaluation images gathered for the report's grid (scores are gathered for every prompt)
@@ -84,20 +84,18 @@ class GRPOTrainer:
 
     def __init__(self, config: Config, run_dir: Path | None = None) -> None:
         self.config = config
-        # A multi-process launch on a machine without GPUs (``accelerate launch --multi_gpu`` / torchrun) runs on
-        # the CPU with gloo; accelerate's own ``--cpu --num_processes N`` starts a single process unless given mpirun.
-        on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         # Trackers need a logging directory at construction; it is pointed at the run directory once that exists.
         project = ProjectConfiguration(project_dir=config.run.output_dir, logging_dir=config.run.output_dir)
-        self.accelerator = Accelerator(log_with=config.run.trackers or None, cpu=on_cpu, project_config=project)
+        self.accelerator = Accelerator(log_with=config.run.trackers or None, project_config=project,
+                                       **cpu_launch_kwargs())  # fmt: skip
         acc = self.accelerator
-        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        if acc.distributed_type == DistributedType.FSDP:
             raise ConfigError(
-                f"accelerate's {acc.distributed_type.value} is not supported by this trainer yet (its per-timestep "
-                "gradient accumulation and checkpoints assume replicated LoRA weights and optimizer state); "
-                "launch with DDP: --config_file configs/accelerate/multi_gpu.yaml"
+                "accelerate's FSDP is not supported by this trainer yet; launch with DDP "
+                "(configs/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml)"
             )
         validate(config, world_size=acc.num_processes)
+        check_launch(acc, config)
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
         self.test_data = PromptDataset.from_file(config.data.test, "data.test") if config.data.test else None
         set_seed(config.run.seed, device_specific=True)
@@ -107,6 +105,7 @@ class GRPOTrainer:
         self.params = self.adapter.trainable_parameters()
         self.optimizer = make_optimizer(config, self.params)
         self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
+        self.params = self.adapter.trainable_parameters()  # the same tensors, whatever wrapper prepare() added
         # After prepare: DDP has broadcast rank 0's initial adapter weights, so every EMA starts from them.
         self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
         self.window = make_window(config)
@@ -144,6 +143,10 @@ class GRPOTrainer:
             path.mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
         return path
+
+    @property
+    def deepspeed(self) -> bool:
+        return is_deepspeed(self.accelerator)
 
     @property
     def rank(self) -> int:
@@ -188,6 +191,9 @@ class GRPOTrainer:
 
         # ================================ SAMPLING ================================
         start = time.perf_counter()
+        # A fresh prompt cache each epoch bounds its memory (real prompt sets are large) and makes the text
+        # embeddings a function of the epoch alone (a batch's composition moves them by ~1e-7): exact resume.
+        self.adapter.clear_prompt_cache()
         self.generator.manual_seed(cfg.run.seed * 1_000_003 + epoch * 1_009 + self.rank)
         plan = rank_slice(
             epoch_plan(len(self.train_data), cfg.grpo.group_size, cfg.grpo.groups_per_epoch, seed=cfg.run.seed,
@@ -282,6 +288,7 @@ class GRPOTrainer:
                 for j in range(steps):
                     backwards += 1
                     sync = backwards % per_update == 0
+                    acc.sync_gradients = sync  # DeepSpeed reduces and steps inside the backward that ends a cycle
                     # DDP decides in the forward whether the backward all-reduces, so both run inside no_sync.
                     ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
                     with ctx:
@@ -289,6 +296,10 @@ class GRPOTrainer:
                         finite = self._all_finite(loss)
                         if finite:
                             acc.backward(loss / per_update)
+                        elif sync and self.deepspeed:
+                            # The engine's cycle must still end (and step) on every rank: this micro-step adds
+                            # nothing, the update goes ahead with the cycle's finite micro-steps.
+                            acc.backward(zero_loss(self.params))
                     if finite:
                         self.state.nonfinite_in_a_row = 0
                         for k, v in stats._asdict().items():
@@ -300,14 +311,14 @@ class GRPOTrainer:
                         self._skip_nonfinite()
                     if not sync:
                         continue
-                    if finite:
+                    if finite or self.deepspeed:
                         sums["grad_norm"].append(float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)))
                         self.optimizer.step()
                         if self.ema is not None:
                             self.ema.update(self.params)
                         self.state.global_step += 1
                         updates += 1
-                    # else: this cycle's gradients were never all-reduced; every process drops them alike.
+                    # else (DDP): this cycle's gradients were never all-reduced; every process drops them alike.
                     self.optimizer.zero_grad(set_to_none=True)
                     if self._agree_to_stop():
                         model.eval()
@@ -352,11 +363,13 @@ class GRPOTrainer:
         if self.test_data is None:
             return {}
         # The bare model: no DDP collectives in these forwards, so shards of unequal size are fine.
+        self.adapter.clear_prompt_cache()  # as scripts/evaluate.py: test prompts encoded in eval batches
         with self.adapter.unwrapped():
             indices, images, scores = evaluate_shard(
                 self.adapter, self.test_data, self.reward, cfg.eval, resolution=cfg.model.resolution,
                 seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes),
             )  # fmt: skip
+        self.adapter.clear_prompt_cache()
         keep = sum(1 for i in indices if i < GRID_IMAGES)  # only the first prompts' images travel, for the grid
         parts = [(indices, images[:keep], scores)]
         if acc.num_processes > 1:

@@ -1,0 +1,136 @@
+"""What differs between accelerate's distributed back-ends (DDP, DeepSpeed ZeRO, FSDP), kept out of the loop.
+
+The trainer accumulates gradients over timesteps and micro-batches itself: it scales each loss by the number
+of backward passes per update and tells accelerate which backward is the last of a cycle
+(``accelerator.sync_gradients``). Under DeepSpeed the engine then reduces the gradients and steps (clipping
+included) inside that last ``accelerator.backward``; under DDP and FSDP the trainer clips and steps.
+
+Optimizer state is replicated under DDP (one file, written by rank 0) and sharded under ZeRO and FSDP (each
+process writes and reads its own shard, so a resume needs the same number of processes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from .config import Config, ConfigError
+
+DEEPSPEED_FOLDER = "deepspeed"  # inside a checkpoint: DeepSpeed's own files (trainable weights, optimizer shards)
+DEEPSPEED_TAG = "state"
+
+
+def cpu_launch_kwargs() -> dict[str, Any]:
+    """``Accelerator`` arguments for a multi-process launch on a machine without GPUs (tests, CPU clusters).
+
+    ``accelerate launch --multi_gpu`` (torchrun) there runs DDP on the CPU with gloo; under DeepSpeed, gloo is
+    passed as the process-group back-end and DeepSpeed uses its CPU accelerator. (accelerate's own
+    ``--cpu --num_processes N`` starts a single process unless given mpirun.)
+    """
+    if torch.cuda.is_available() or int(os.environ.get("LOCAL_RANK", "-1")) < 0:
+        return {}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {"cpu": True} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
+
+
+def is_deepspeed(acc: Accelerator) -> bool:
+    return acc.distributed_type == DistributedType.DEEPSPEED
+
+
+def is_fsdp(acc: Accelerator) -> bool:
+    return acc.distributed_type == DistributedType.FSDP
+
+
+def sharded_optimizer(acc: Accelerator) -> bool:
+    return is_deepspeed(acc) or is_fsdp(acc)
+
+
+def check_launch(acc: Accelerator, config: Config) -> None:
+    """Reject launch settings the trainer would silently misuse; configure DeepSpeed before ``prepare``."""
+    if acc.gradient_accumulation_steps != 1 and not is_deepspeed(acc):
+        raise ConfigError(
+            f"accelerate's gradient_accumulation_steps={acc.gradient_accumulation_steps}: the trainer accumulates "
+            "over timesteps and micro-batches itself; launch with gradient_accumulation_steps 1 and set "
+            "train.gradient_accumulation instead"
+        )
+    if is_deepspeed(acc):
+        _configure_deepspeed(acc, config)
+
+
+def _configure_deepspeed(acc: Accelerator, config: Config) -> None:
+    plugin = acc.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            raise ConfigError(
+                f"the DeepSpeed config has an '{section}' section: the trainer builds its own optimizer from "
+                "train.* (AdamW on the LoRA weights); remove the section from the DeepSpeed config"
+            )
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if stage == 3:
+        raise ConfigError(
+            "DeepSpeed ZeRO-3 shards the frozen base weights, which the trainer's reference forwards "
+            "(adapter disabled) and evaluation need whole; use ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml) "
+            "or FSDP (configs/accelerate/fsdp.yaml)"
+        )
+    if ds.get("fp16", {}).get("enabled") is True:
+        raise ConfigError("DeepSpeed fp16 (dynamic loss scaling) is not supported: use mixed_precision bf16 or no")
+    # The loop owns accumulation and its 1/N scaling; DeepSpeed must neither count micro-steps nor rescale.
+    ds["gradient_accumulation_steps"] = 1
+    plugin.gradient_accumulation_steps = 1
+    ds["train_micro_batch_size_per_gpu"] = config.train.batch_size  # bookkeeping only: no dataloader is prepared
+    ds["train_batch_size"] = config.train.batch_size * acc.num_processes
+    ds["gradient_clipping"] = config.train.max_grad_norm
+    ds.setdefault("steps_per_print", 10**9)  # keep DeepSpeed's own periodic logging out of the way
+
+
+def engine(acc: Accelerator) -> Any:
+    return acc.deepspeed_engine_wrapped.engine
+
+
+def zero_loss(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """A loss of exactly 0 that reaches every trainable parameter: lets a collective backward happen without
+    contributing gradient (DeepSpeed reduces and steps inside the backward that ends an accumulation cycle)."""
+    return sum(p.sum() for p in params) * 0.0
+
+
+def save_optimizer(acc: Accelerator, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every process calls this. DDP: rank 0 writes ``optimizer.pt``; DeepSpeed: its own checkpoint files."""
+    if is_deepspeed(acc):
+        engine(acc).save_checkpoint(str(folder / DEEPSPEED_FOLDER), tag=DEEPSPEED_TAG, save_latest=False,
+                                    exclude_frozen_parameters=True)  # fmt: skip
+    elif is_fsdp(acc):
+        torch.save(optimizer.state_dict(), folder / f"optimizer_rank{acc.process_index}.pt")
+    elif acc.is_main_process:
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+
+
+def load_optimizer(acc: Accelerator, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    """Restore what :func:`save_optimizer` wrote (after the adapter weights have been loaded)."""
+    from .checkpoint import CheckpointError
+
+    if is_deepspeed(acc):
+        folder = checkpoint / DEEPSPEED_FOLDER
+        if not folder.is_dir():
+            raise CheckpointError(f"{checkpoint} was not written under DeepSpeed (no {DEEPSPEED_FOLDER}/): resume "
+                                  "it with the launch it was trained with")  # fmt: skip
+        # Trainable weights come back from DeepSpeed's file too (fp32 master weights included).
+        path, _ = engine(acc).load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_module_strict=False,
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)  # fmt: skip
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load {folder} (was it written by as many processes?)")
+        return
+    name = f"optimizer_rank{acc.process_index}.pt" if is_fsdp(acc) else "optimizer.pt"
+    file = checkpoint / name
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist: resume with the launch (back-end and number of processes) "
+                              "the checkpoint was written with")  # fmt: skip
+    # Loaded on the CPU (accelerate names a multi-process CPU device "cpu:N", which torch.load rejects);
+    # load_state_dict moves the state next to the parameters.
+    optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))

@@ -1,0 +1,34 @@
+"""Runs scripts/train.py with the GRPO loss altered on chosen backward passes, the same ones on every rank.
+
+    FLOWGRPO_TEST_LOSS="nan:10"      the 10th loss is NaN
+    FLOWGRPO_TEST_LOSS="zero:3,10"   the 3rd and 10th losses are multiplied by 0 (they contribute no gradient)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import flowgrpo.trainer as trainer_module
+
+ROOT = Path(__file__).resolve().parent.parent
+mode, _, calls = os.environ["FLOWGRPO_TEST_LOSS"].partition(":")
+chosen = {int(c) for c in calls.split(",")}
+factor = {"nan": float("nan"), "zero": 0.0}[mode]
+real_loss = trainer_module.grpo_loss
+count = 0
+
+
+def altered_loss(*args, **kwargs):
+    global count
+    count += 1
+    loss, stats = real_loss(*args, **kwargs)
+    return (loss * factor, stats) if count in chosen else (loss, stats)
+
+
+trainer_module.grpo_loss = altered_loss
+sys.path.insert(0, str(ROOT / "scripts"))
+from train import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))

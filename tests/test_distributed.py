@@ -1,0 +1,169 @@
+"""Two processes on the CPU through ``accelerate launch``: DDP and DeepSpeed ZeRO-2 (groups across ranks,
+weights in sync, exact resume, ZeRO-2 = DDP, non-finite losses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny_sd3.yaml"
+# 16 images per epoch, 8 per process: 2 micro-batches of 4 × 5 trained steps = one update of 10 backwards.
+COMMON = ["run.epochs=2", "run.debug_dump=true", "run.progress=false", "sampler.batch_size=4", "train.batch_size=4",
+          "train.gradient_accumulation=2", "eval.every=1", "train.ema=0.5", "checkpoint.every=1"]  # fmt: skip
+# accelerate's --cpu launcher starts one process without mpirun; --multi_gpu on a GPU-less machine runs torchrun,
+# and the trainer falls back to the CPU (gloo).
+DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+       "--dynamo_backend", "no"]  # fmt: skip
+ZERO2 = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2"]
+
+
+def _launch(launcher: list[str], output_dir: Path, *overrides: str, script: str = "scripts/train.py",
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, script, "--config", str(TINY),
+           f"run.output_dir={output_dir}", *COMMON, *overrides]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _run(launcher: list[str], output_dir: Path, *overrides: str, **kwargs) -> Path:
+    result = _launch(launcher, output_dir, *overrides, **kwargs)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (run_dir,) = [p for p in output_dir.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def _final(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "debug" / f"final_rank{rank}.pt")
+
+
+def _resume_from_first_checkpoint(launcher: list[str], run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the run, cut back to its epoch-1 checkpoint, resumed to the end."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "epoch-00002")
+    shutil.rmtree(copy / "debug")
+    result = _launch(launcher, tmp_path, f"run.resume={copy / 'checkpoints' / 'epoch-00001'}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout
+    return copy
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    return _run(DDP, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory) -> Path:
+    pytest.importorskip("deepspeed")
+    return _run(ZERO2, tmp_path_factory.mktemp("zero2"))
+
+
+def test_two_processes_share_groups_and_stay_in_sync(ddp_run):
+    debug = ddp_run / "debug"
+    for epoch in range(2):
+        ranks = [torch.load(debug / f"epoch{epoch}_rank{r}.pt") for r in range(2)]
+        local_groups = [set(d["group_ids"].tolist()) for d in ranks]
+        assert local_groups[0] & local_groups[1], "some group should span both ranks"
+        # Each rank saw every rank's rewards, in rank order.
+        gathered_total = torch.cat([d["local_total"] for d in ranks])
+        gathered_ids = torch.cat([d["group_ids"] for d in ranks])
+        for d in ranks:
+            assert torch.equal(d["all_total"], gathered_total) and torch.equal(d["all_group_ids"], gathered_ids)
+        from flowgrpo.advantages import group_advantages
+
+        single = group_advantages(gathered_total, gathered_ids, std="group", clip=5.0)
+        torch.testing.assert_close(torch.cat([d["advantages"] for d in ranks]), single)
+    # Evaluation was split over both ranks and gathered: every test prompt once, in file order; every rank took
+    # part in the best-checkpoint decisions.
+    report = json.loads((ddp_run / "eval" / "epoch00002.json").read_text())
+    test_prompts = (ROOT / "configs" / "prompts" / "tiny_test.txt").read_text().split("\n")
+    assert [r["prompt"] for r in report["images"]] == [p for p in test_prompts if p]
+    assert (ddp_run / "eval" / "epoch00002.png").is_file()
+    assert sorted(p.name for p in (ddp_run / "checkpoints").iterdir()) == ["epoch-00001", "epoch-00002"]
+    finals = [_final(ddp_run, r) for r in range(2)]
+    assert finals[0].keys() == finals[1].keys() and any(k.startswith("ema") for k in finals[0])
+    for key in finals[0]:
+        assert torch.equal(finals[0][key], finals[1][key]), key
+
+
+def test_two_process_resume_is_exact(ddp_run, tmp_path):
+    resumed = _resume_from_first_checkpoint(DDP, ddp_run, tmp_path)
+    for rank in range(2):
+        before, after = _final(ddp_run, rank), _final(resumed, rank)
+        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+
+
+def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
+    # Same groups, rewards and advantages on every rank (sampling does not depend on the back-end).
+    for epoch, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        zero2, ddp = (torch.load(run / "debug" / f"epoch{epoch}_rank{rank}.pt") for run in (zero2_run, ddp_run))
+        assert zero2.keys() == ddp.keys() and all(torch.equal(zero2[k], ddp[k]) for k in zero2)
+    finals = [_final(zero2_run, r) for r in range(2)]
+    reference = _final(ddp_run, 0)
+    for key in finals[0]:
+        assert torch.equal(finals[0][key], finals[1][key]), key  # ZeRO-2 all-gathers the updated weights
+        # Same loss, accumulation and clipping: only the order of the gradient reduction differs.
+        torch.testing.assert_close(finals[0][key], reference[key], atol=1e-5, rtol=0, msg=key)
+    checkpoint = zero2_run / "checkpoints" / "epoch-00002"
+    assert (checkpoint / "deepspeed").is_dir() and not (checkpoint / "optimizer.pt").exists()
+    # adapter.safetensors (what export reads) holds the trained weights.
+    weights = load_file(str(checkpoint / "adapter.safetensors"))
+    params = [finals[0][f"p{i}"] for i in range(len(weights))]
+    assert all(any(w.shape == p.shape and torch.equal(w, p) for w in weights.values()) for p in params)
+    rows = [json.loads(line) for line in (zero2_run / "metrics.jsonl").read_text().splitlines()]
+    ddp_rows = [json.loads(line) for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in rows if "global_step" in r] == [1, 2]
+    for r, d in zip(rows, ddp_rows, strict=True):
+        if "train/grad_norm" in r:  # DeepSpeed's own global norm, before clipping
+            assert r["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=1e-4)
+
+
+def test_deepspeed_zero2_resume_is_exact(zero2_run, tmp_path):
+    resumed = _resume_from_first_checkpoint(ZERO2, zero2_run, tmp_path)
+    for rank in range(2):
+        before, after = _final(zero2_run, rank), _final(resumed, rank)
+        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+
+
+def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
+    """Under ZeRO-2 a non-finite micro-step, even the one that ends the accumulation cycle, contributes no
+    gradient and the update goes ahead with the others: the same weights as when those losses are 0."""
+    pytest.importorskip("deepspeed")
+    one_epoch = ["run.epochs=1", "eval.every=0", "checkpoint.every=0"]
+    runs = {}
+    for mode in ("nan", "zero"):
+        out = tmp_path / mode
+        out.mkdir()
+        result = _launch(ZERO2, out, *one_epoch, script="tests/loss_driver.py",
+                         env={"FLOWGRPO_TEST_LOSS": f"{mode}:3,10"})  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert ("non-finite loss, step skipped" in result.stdout) == (mode == "nan")
+        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+        runs[mode] = run_dir
+        (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert row["global_step"] == 1
+    for rank in range(2):
+        nan, zero = _final(runs["nan"], rank), _final(runs["zero"], rank)
+        assert all(torch.isfinite(v).all() for v in nan.values())
+        assert all(torch.equal(nan[k], zero[k]) for k in nan), f"rank {rank}"
+
+
+def test_deepspeed_zero3_is_refused_with_the_fix(tmp_path):
+    pytest.importorskip("deepspeed")
+    launcher = ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    result = _launch(launcher, tmp_path)
+    assert result.returncode != 0
+    message = " ".join(result.stderr.split())
+    assert "ZeRO-3" in message and "deepspeed_zero2.yaml" in message
+    assert not list(tmp_path.iterdir())  # refused before the run directory was made
