@@ -133,9 +133,10 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
     acc.wait_for_everyone()
     failure: BaseException | None = None
     try:
-        # RNG states are per process; everything else is replicated (DDP) and written once.
+        # First, while every process is in step: DeepSpeed's save has collectives of its own.
+        save_optimizer(acc, trainer.optimizer, tmp)
+        # RNG states are per process; everything else is replicated and written once.
         torch.save(_rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
-        save_optimizer(acc, trainer.optimizer, tmp)  # all processes: may be sharded
         if acc.is_main_process:
             model = unwrap(trainer.adapter.transformer)
             save_file(lora_state(model), str(tmp / "adapter.safetensors"))
@@ -150,11 +151,15 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
         failure = err
-    acc.wait_for_everyone()
-    if failure is not None:
+    # Every process learns whether any write failed (the gather is also the barrier), and all stop together.
+    failed = torch.tensor([0.0 if failure is None else 1.0], device=acc.device)
+    if acc.num_processes > 1:
+        failed = acc.gather(failed)
+    if failed.max().item() > 0:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise failure
+        raise failure if failure is not None else CheckpointError(
+            f"another process failed to write its part of {final.name}; the previous checkpoints are intact")
     if acc.is_main_process:
         # Re-saving an epoch: move the old copy aside first, so some complete copy exists at every moment.
         old = folder / f".old-{final.name}"

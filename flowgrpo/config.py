@@ -411,6 +411,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     for key, (value, low) in at_least.items():
         if value < low:
             raise ConfigError(f"{key} must be >= {low}, got {value}")
+    if not t.max_grad_norm > 0:
+        raise ConfigError(f"train.max_grad_norm must be > 0 (gradient-norm clipping), got {t.max_grad_norm}")
     if not s.kappa > 0:
         raise ConfigError(f"sampler.kappa must be > 0 (Langevin's step cap, κ·t_next), got {s.kappa}")
     if config.model.resolution % 16:

@@ -76,11 +76,21 @@ def _configure_deepspeed(acc: Accelerator, config: Config) -> None:
     if stage == 3:
         raise ConfigError(
             "DeepSpeed ZeRO-3 shards the frozen base weights, which the trainer's reference forwards "
-            "(adapter disabled) and evaluation need whole; use ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml) "
-            "or FSDP (configs/accelerate/fsdp.yaml)"
+            "(adapter disabled) and evaluation need whole; use ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml)"
         )
-    if ds.get("fp16", {}).get("enabled") is True:
-        raise ConfigError("DeepSpeed fp16 (dynamic loss scaling) is not supported: use mixed_precision bf16 or no")
+    if stage != 2:
+        raise ConfigError(
+            f"DeepSpeed ZeRO stage {stage}: the trainer supports stage 2 (configs/accelerate/deepspeed_zero2.yaml); "
+            "for replicated optimizer state use DDP (configs/accelerate/multi_gpu.yaml)"
+        )
+    half = [k for k in ("fp16", "bf16") if str(ds.get(k, {}).get("enabled", False)).lower() == "true"]
+    if acc.mixed_precision != "no" or half:
+        raise ConfigError(
+            f"DeepSpeed in {acc.mixed_precision if acc.mixed_precision != 'no' else half[0]} would cast the LoRA "
+            "weights to half precision and accumulate their gradients there; launch with mixed_precision 'no' "
+            "(--mixed_precision no, or in the launch config) and set model.dtype=bf16: frozen weights in bf16, "
+            "LoRA weights, their gradients and optimizer state in fp32"
+        )
     # The loop owns accumulation and its 1/N scaling; DeepSpeed must neither count micro-steps nor rescale.
     ds["gradient_accumulation_steps"] = 1
     plugin.gradient_accumulation_steps = 1
@@ -124,7 +134,7 @@ def load_optimizer(acc: Accelerator, optimizer: torch.optim.Optimizer, checkpoin
         path, _ = engine(acc).load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_module_strict=False,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)  # fmt: skip
         if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {folder} (was it written by as many processes?)")
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {folder}")
         return
     name = f"optimizer_rank{acc.process_index}.pt" if is_fsdp(acc) else "optimizer.pt"
     file = checkpoint / name

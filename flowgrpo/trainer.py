@@ -312,12 +312,17 @@ class GRPOTrainer:
                     if not sync:
                         continue
                     if finite or self.deepspeed:
-                        sums["grad_norm"].append(float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)))
+                        # DeepSpeed has already clipped and stepped (in the backward) and reports its norm here.
+                        grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm))
                         self.optimizer.step()
-                        if self.ema is not None:
-                            self.ema.update(self.params)
-                        self.state.global_step += 1
-                        updates += 1
+                        if self.optimizer.step_was_skipped:  # DeepSpeed found non-finite gradients
+                            self._skip_nonfinite("gradients")
+                        else:
+                            sums["grad_norm"].append(grad_norm)
+                            if self.ema is not None:
+                                self.ema.update(self.params)
+                            self.state.global_step += 1
+                            updates += 1
                     # else (DDP): this cycle's gradients were never all-reduced; every process drops them alike.
                     self.optimizer.zero_grad(set_to_none=True)
                     if self._agree_to_stop():
@@ -394,12 +399,13 @@ class GRPOTrainer:
             metrics, self.state.best_eval = shared
         return metrics
 
-    def _skip_nonfinite(self) -> None:
+    def _skip_nonfinite(self, what: str = "loss") -> None:
         self.state.nonfinite_in_a_row += 1
-        self.accelerator.print(f"warning: non-finite loss, step skipped ({self.state.nonfinite_in_a_row} in a row)")
-        if self.state.nonfinite_in_a_row >= self.config.run.max_nonfinite_steps:
+        n = self.state.nonfinite_in_a_row
+        self.accelerator.print(f"warning: non-finite {what}, step skipped ({n} in a row)")
+        if n >= self.config.run.max_nonfinite_steps:
             raise TrainingError(
-                f"{self.state.nonfinite_in_a_row} non-finite losses in a row: lower train.lr, check the rewards, "
+                f"{n} non-finite losses or gradients in a row: lower train.lr, check the rewards, "
                 f"or raise run.max_nonfinite_steps"
             )
 

@@ -105,7 +105,7 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
     monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"),
                                                                       real_loss(*a, **k)[1]))  # fmt: skip
     trainer = _trainer(tmp_path, "run.epochs=1", "run.max_nonfinite_steps=3")
-    with pytest.raises(TrainingError, match="3 non-finite losses in a row"):
+    with pytest.raises(TrainingError, match="3 non-finite losses or gradients in a row"):
         trainer.fit()
 
 

@@ -118,14 +118,16 @@ def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
     assert (checkpoint / "deepspeed").is_dir() and not (checkpoint / "optimizer.pt").exists()
     # adapter.safetensors (what export reads) holds the trained weights.
     weights = load_file(str(checkpoint / "adapter.safetensors"))
-    params = [finals[0][f"p{i}"] for i in range(len(weights))]
+    params = [v for k, v in finals[0].items() if k.startswith("p")]
+    assert len(params) == len(weights) > 0
     assert all(any(w.shape == p.shape and torch.equal(w, p) for w in weights.values()) for p in params)
     rows = [json.loads(line) for line in (zero2_run / "metrics.jsonl").read_text().splitlines()]
     ddp_rows = [json.loads(line) for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_step"] for r in rows if "global_step" in r] == [1, 2]
-    for r, d in zip(rows, ddp_rows, strict=True):
-        if "train/grad_norm" in r:  # DeepSpeed's own global norm, before clipping
-            assert r["train/grad_norm"] == pytest.approx(d["train/grad_norm"], rel=1e-4)
+    norms = [(r["train/grad_norm"], d["train/grad_norm"]) for r, d in zip(rows, ddp_rows, strict=True)
+             if "train/grad_norm" in r]  # fmt: skip
+    assert len(norms) == 2  # DeepSpeed's own global norm, before clipping, as clip_grad_norm_ returns under DDP
+    assert all(z == pytest.approx(d, rel=1e-4) for z, d in norms)
 
 
 def test_deepspeed_zero2_resume_is_exact(zero2_run, tmp_path):
@@ -137,9 +139,10 @@ def test_deepspeed_zero2_resume_is_exact(zero2_run, tmp_path):
 
 def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
     """Under ZeRO-2 a non-finite micro-step, even the one that ends the accumulation cycle, contributes no
-    gradient and the update goes ahead with the others: the same weights as when those losses are 0."""
+    gradient and the update goes ahead with the others: the same weights as when those losses are 0.
+    Frozen weights in bf16 here (model.dtype): the LoRA weights DeepSpeed shards stay fp32."""
     pytest.importorskip("deepspeed")
-    one_epoch = ["run.epochs=1", "eval.every=0", "checkpoint.every=0"]
+    one_epoch = ["run.epochs=1", "eval.every=0", "checkpoint.every=0", "model.dtype=bf16"]
     runs = {}
     for mode in ("nan", "zero"):
         out = tmp_path / mode
@@ -154,16 +157,20 @@ def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
         assert row["global_step"] == 1
     for rank in range(2):
         nan, zero = _final(runs["nan"], rank), _final(runs["zero"], rank)
-        assert all(torch.isfinite(v).all() for v in nan.values())
+        assert all(torch.isfinite(v).all() and v.dtype == torch.float32 for v in nan.values())
         assert all(torch.equal(nan[k], zero[k]) for k in nan), f"rank {rank}"
 
 
-def test_deepspeed_zero3_is_refused_with_the_fix(tmp_path):
+@pytest.mark.parametrize(
+    "stage, precision, message",
+    [("3", "no", "ZeRO-3 shards the frozen base weights"), ("1", "no", "ZeRO stage 1"),
+     ("2", "bf16", "launch with mixed_precision 'no'")],
+)  # fmt: skip
+def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage, precision, message):
     pytest.importorskip("deepspeed")
-    launcher = ["--use_deepspeed", "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    launcher = ["--use_deepspeed", "--zero_stage", stage, "--num_processes", "1", "--num_machines", "1",
+                "--mixed_precision", precision, "--dynamo_backend", "no"]  # fmt: skip
     result = _launch(launcher, tmp_path)
     assert result.returncode != 0
-    message = " ".join(result.stderr.split())
-    assert "ZeRO-3" in message and "deepspeed_zero2.yaml" in message
+    assert message in " ".join(result.stderr.split())
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
