@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .parallel import load_optimizer, save_optimizer
+from .parallel import full_tensor, is_fsdp, is_sharded, load_optimizer, save_optimizer, shard_like
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "epoch-"
@@ -71,10 +71,14 @@ def resolve_resume(resume: str, output_dir: str, run_name: str) -> Path:
 
 
 def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights under peft's saved names (no adapter name), float32 on the CPU."""
+    """The adapter weights under peft's saved names (no adapter name), float32 on the CPU.
+
+    Under FSDP2 the weights are gathered whole: every process must call this.
+    """
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model)
+    return {k: full_tensor(v.detach()).float().cpu().contiguous() for k, v in state.items()}
 
 
 def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -85,10 +89,17 @@ def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     if missing:
         raise CheckpointError(f"the checkpoint lacks adapter weights of this model (e.g. {missing[0]}): "
                               "was it trained with other model.lora settings?")  # fmt: skip
-    result = set_peft_model_state_dict(model, state)
-    unexpected = getattr(result, "unexpected_keys", [])
+    unexpected = sorted(set(state) - set(get_peft_model_state_dict(model)))
     if unexpected:
         raise CheckpointError(f"adapter weights do not fit this model (unexpected keys such as {unexpected[0]})")
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if any(is_sharded(p) for _, p in params):
+        # FSDP2 shards: each process keeps its part of the (identical) full tensors.
+        with torch.no_grad():
+            for name, p in params:
+                p.copy_(shard_like(state[_saved_name(name)], p))
+        return
+    set_peft_model_state_dict(model, state)
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
@@ -132,20 +143,23 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     failure: BaseException | None = None
+    model = unwrap(trainer.adapter.transformer)
     try:
-        # First, while every process is in step: DeepSpeed's save has collectives of its own.
-        save_optimizer(acc, trainer.optimizer, tmp)
+        # First, while every process is in step: DeepSpeed's save and FSDP's gathers are collectives.
+        save_optimizer(acc, model, trainer.optimizer, tmp)
+        gather = acc.is_main_process or is_fsdp(acc)
+        weights = lora_state(model) if gather else {}
+        shadow = [full_tensor(s).cpu() for s in trainer.ema.shadow] if gather and trainer.ema is not None else []
         # RNG states are per process; everything else is replicated and written once.
         torch.save(_rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
         if acc.is_main_process:
-            model = unwrap(trainer.adapter.transformer)
-            save_file(lora_state(model), str(tmp / "adapter.safetensors"))
+            save_file(weights, str(tmp / "adapter.safetensors"))
             config = model.peft_config["default"].to_dict()
             config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
             if trainer.ema is not None:
                 names = trainable_names(model)
-                save_file({n: s.contiguous().cpu() for n, s in zip(names, trainer.ema.shadow, strict=True)},
+                save_file({n: s.contiguous() for n, s in zip(names, shadow, strict=True)},
                           str(tmp / "ema.safetensors"), metadata={"decay": str(trainer.ema.decay)})  # fmt: skip
             state = {**asdict(trainer.state), "epoch": epoch, "world_size": acc.num_processes}
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
@@ -187,10 +201,11 @@ def load_checkpoint(trainer: Any, checkpoint: Path) -> None:
     acc = trainer.accelerator
     model = unwrap(trainer.adapter.transformer)
     load_lora_state(model, load_file(str(checkpoint / "adapter.safetensors")))  # copied onto the device by load
-    load_optimizer(acc, trainer.optimizer, checkpoint)
+    load_optimizer(acc, model, trainer.optimizer, checkpoint)
     if trainer.ema is not None:
         ema = read_weights(checkpoint, ema=True)
-        trainer.ema.shadow = [ema[name].to(acc.device) for name in trainable_names(model)]
+        trainer.ema.shadow = [shard_like(ema[name], p, torch.float32)
+                              for name, p in zip(trainable_names(model), trainer.params, strict=True)]  # fmt: skip
     state = json.loads((checkpoint / "state.json").read_text())
     if state.get("world_size", acc.num_processes) != acc.num_processes:
         acc.print(f"warning: checkpoint written by {state['world_size']} processes, resuming on {acc.num_processes}; "

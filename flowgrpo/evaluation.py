@@ -40,11 +40,13 @@ def evaluate_shard(
     seed: int = 0,
     progress: bool = False,
     shard: tuple[int, int] = (0, 1),
+    equal_batches: bool = False,
 ) -> tuple[list[int], Tensor, dict[str, Tensor]]:
     """ODE samples and scores of this shard's prompts (every ``world``-th from ``rank``): (indices, images, scores).
 
     Each prompt's initial noise comes from ``(seed, prompt index)``, so an image does not depend on the batching
-    or on how the prompts are split over processes.
+    or on how the prompts are split over processes. ``equal_batches``: every shard runs as many model batches
+    as the largest one (padding with an unscored batch), for sharded models whose forwards are collectives.
     """
     count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
     rank, world = shard
@@ -65,6 +67,11 @@ def evaluate_shard(
         for k, v in reward(traj.images, texts, meta).items():
             scores[k].append(v.float().cpu())
         images.append(traj.images.cpu())
+    largest = math.ceil(math.ceil(count / world) / eval_config.batch_size)
+    for _ in range(len(batches), largest if equal_batches and count else 0):
+        noise = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
+        rollout(adapter, [dataset.prompts[0]], [0], sampler, range(0, 0), height=resolution, width=resolution,
+                initial_latents=noise)  # fmt: skip
     empty = torch.zeros(0, 3, resolution, resolution)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 

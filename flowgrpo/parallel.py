@@ -5,8 +5,10 @@ of backward passes per update and tells accelerate which backward is the last of
 (``accelerator.sync_gradients``). Under DeepSpeed the engine then reduces the gradients and steps (clipping
 included) inside that last ``accelerator.backward``; under DDP and FSDP the trainer clips and steps.
 
-Optimizer state is replicated under DDP (one file, written by rank 0) and sharded under ZeRO and FSDP (each
-process writes and reads its own shard, so a resume needs the same number of processes).
+Optimizer state is replicated under DDP (one file, written by rank 0) and sharded under ZeRO-2 (DeepSpeed's
+files: a resume needs the same number of processes). Under FSDP2 the LoRA weights are DTensor shards: every
+process takes part in gathering full weights, EMA and optimizer state for a checkpoint (rank 0 writes them),
+and every process runs the same number of forwards (they gather weights: collectives).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .config import Config, ConfigError
 
 DEEPSPEED_FOLDER = "deepspeed"  # inside a checkpoint: DeepSpeed's own files (trainable weights, optimizer shards)
 DEEPSPEED_TAG = "state"
+FSDP_OPTIMIZER = "optimizer_full.pt"  # FSDP2: whole optimizer state keyed by parameter name
 
 
 def cpu_launch_kwargs() -> dict[str, Any]:
@@ -47,8 +50,28 @@ def is_fsdp(acc: Accelerator) -> bool:
     return acc.distributed_type == DistributedType.FSDP
 
 
-def sharded_optimizer(acc: Accelerator) -> bool:
-    return is_deepspeed(acc) or is_fsdp(acc)
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP2 shard (a collective: every process must call it); others unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``full`` laid out as ``param`` (this process's shard when ``param`` is an FSDP2 DTensor), in ``dtype``
+    (default: the parameter's)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=param.device, dtype=dtype or param.dtype)
+    if isinstance(param, DTensor):  # every process holds the same full tensor
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
 
 
 def check_launch(acc: Accelerator, config: Config) -> None:
@@ -61,6 +84,11 @@ def check_launch(acc: Accelerator, config: Config) -> None:
         )
     if is_deepspeed(acc):
         _configure_deepspeed(acc, config)
+    if is_fsdp(acc) and acc.state.fsdp_plugin.fsdp_version != 2:
+        raise ConfigError(
+            "FSDP version 1 is not supported (its flat parameters mix frozen and LoRA weights); set fsdp_version: 2 "
+            "in the launch config (configs/accelerate/fsdp.yaml) or pass --fsdp_version 2"
+        )
 
 
 def _configure_deepspeed(acc: Accelerator, config: Config) -> None:
@@ -110,18 +138,33 @@ def zero_loss(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return sum(p.sum() for p in params) * 0.0
 
 
-def save_optimizer(acc: Accelerator, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Every process calls this. DDP: rank 0 writes ``optimizer.pt``; DeepSpeed: its own checkpoint files."""
+def zeroed(loss: torch.Tensor) -> torch.Tensor:
+    """A non-finite loss turned into 0 through its own graph: its backward still runs FSDP2's reduce-scatter of
+    the cycle's accumulated gradients (which the caller then drops)."""
+    return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) * 0.0
+
+
+def save_optimizer(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every process calls this. DDP: rank 0 writes ``optimizer.pt``; DeepSpeed: its own checkpoint files;
+    FSDP2: rank 0 writes the gathered state, keyed by parameter name."""
     if is_deepspeed(acc):
         engine(acc).save_checkpoint(str(folder / DEEPSPEED_FOLDER), tag=DEEPSPEED_TAG, save_latest=False,
                                     exclude_frozen_parameters=True)  # fmt: skip
     elif is_fsdp(acc):
-        torch.save(optimizer.state_dict(), folder / f"optimizer_rank{acc.process_index}.pt")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        # Keyed by parameter name, gathered whole onto rank 0's CPU.
+        full = get_optimizer_state_dict(model, _inner(optimizer),
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        if acc.is_main_process:
+            torch.save(full, folder / FSDP_OPTIMIZER)
     elif acc.is_main_process:
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
 
 
-def load_optimizer(acc: Accelerator, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+def load_optimizer(
+    acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
+) -> None:
     """Restore what :func:`save_optimizer` wrote (after the adapter weights have been loaded)."""
     from .checkpoint import CheckpointError
 
@@ -136,11 +179,20 @@ def load_optimizer(acc: Accelerator, optimizer: torch.optim.Optimizer, checkpoin
         if path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder}")
         return
-    name = f"optimizer_rank{acc.process_index}.pt" if is_fsdp(acc) else "optimizer.pt"
-    file = checkpoint / name
+    file = checkpoint / (FSDP_OPTIMIZER if is_fsdp(acc) else "optimizer.pt")
     if not file.is_file():
-        raise CheckpointError(f"{file} does not exist: resume with the launch (back-end and number of processes) "
-                              "the checkpoint was written with")  # fmt: skip
+        raise CheckpointError(f"{file} does not exist: resume with the back-end (DDP, DeepSpeed, FSDP) the "
+                              "checkpoint was written with")  # fmt: skip
     # Loaded on the CPU (accelerate names a multi-process CPU device "cpu:N", which torch.load rejects);
-    # load_state_dict moves the state next to the parameters.
-    optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+    # loading moves the state next to the parameters.
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if is_fsdp(acc):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, _inner(optimizer), state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, apply_nan_policy, build_reward
@@ -37,7 +37,7 @@ from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
 from .loss import grpo_loss
-from .parallel import check_launch, cpu_launch_kwargs, is_deepspeed, zero_loss
+from .parallel import check_launch, cpu_launch_kwargs, full_tensor, is_deepspeed, is_fsdp, zero_loss, zeroed
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
 
 GRID_IMAGES = 64  # evaluation images gathered for the report's grid (scores are gathered for every prompt)
@@ -89,11 +89,6 @@ class GRPOTrainer:
         self.accelerator = Accelerator(log_with=config.run.trackers or None, project_config=project,
                                        **cpu_launch_kwargs())  # fmt: skip
         acc = self.accelerator
-        if acc.distributed_type == DistributedType.FSDP:
-            raise ConfigError(
-                "accelerate's FSDP is not supported by this trainer yet; launch with DDP "
-                "(configs/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml)"
-            )
         validate(config, world_size=acc.num_processes)
         check_launch(acc, config)
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
@@ -101,12 +96,14 @@ class GRPOTrainer:
         set_seed(config.run.seed, device_specific=True)
         # Everything that can fail on a bad config runs before the run directory is created.
         self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
+        set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
+        set_seed(config.run.seed, device_specific=True)
         self.params = self.adapter.trainable_parameters()
         self.optimizer = make_optimizer(config, self.params)
         self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
         self.params = self.adapter.trainable_parameters()  # the same tensors, whatever wrapper prepare() added
-        # After prepare: DDP has broadcast rank 0's initial adapter weights, so every EMA starts from them.
+        # After prepare, from the (sharded) parameters the optimizer updates; the same everywhere (seeded init).
         self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
         self.window = make_window(config)
         self.state = TrainState()
@@ -147,6 +144,10 @@ class GRPOTrainer:
     @property
     def deepspeed(self) -> bool:
         return is_deepspeed(self.accelerator)
+
+    @property
+    def fsdp(self) -> bool:
+        return is_fsdp(self.accelerator)
 
     @property
     def rank(self) -> int:
@@ -300,6 +301,8 @@ class GRPOTrainer:
                             # The engine's cycle must still end (and step) on every rank: this micro-step adds
                             # nothing, the update goes ahead with the cycle's finite micro-steps.
                             acc.backward(zero_loss(self.params))
+                        elif sync and self.fsdp:  # the reduce-scatter must still run; the update is dropped below
+                            acc.backward(zeroed(loss))
                     if finite:
                         self.state.nonfinite_in_a_row = 0
                         for k, v in stats._asdict().items():
@@ -323,7 +326,7 @@ class GRPOTrainer:
                                 self.ema.update(self.params)
                             self.state.global_step += 1
                             updates += 1
-                    # else (DDP): this cycle's gradients were never all-reduced; every process drops them alike.
+                    # else (DDP, FSDP): every process drops this cycle's gradients alike.
                     self.optimizer.zero_grad(set_to_none=True)
                     if self._agree_to_stop():
                         model.eval()
@@ -367,12 +370,13 @@ class GRPOTrainer:
         acc, cfg = self.accelerator, self.config
         if self.test_data is None:
             return {}
-        # The bare model: no DDP collectives in these forwards, so shards of unequal size are fine.
+        # The bare model: no DDP collectives in these forwards, so shards of unequal size are fine. FSDP's
+        # forwards gather weights (collectives), so there every process runs as many batches.
         self.adapter.clear_prompt_cache()  # as scripts/evaluate.py: test prompts encoded in eval batches
         with self.adapter.unwrapped():
             indices, images, scores = evaluate_shard(
                 self.adapter, self.test_data, self.reward, cfg.eval, resolution=cfg.model.resolution,
-                seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes),
+                seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes), equal_batches=self.fsdp,
             )  # fmt: skip
         self.adapter.clear_prompt_cache()
         keep = sum(1 for i in indices if i < GRID_IMAGES)  # only the first prompts' images travel, for the grid
@@ -437,7 +441,9 @@ class GRPOTrainer:
     def _dump(self, name: str, **tensors: torch.Tensor) -> None:
         folder = self.run_dir / "debug"
         folder.mkdir(exist_ok=True)
-        torch.save({k: v.detach().cpu() for k, v in tensors.items()}, folder / f"{name}_rank{self.rank}.pt")
+        # Whole tensors (FSDP2 shards are gathered: every process calls this).
+        whole = {k: full_tensor(v.detach()).cpu() for k, v in tensors.items()}
+        torch.save(whole, folder / f"{name}_rank{self.rank}.pt")
 
     def _finish(self) -> None:
         acc = self.accelerator

@@ -13,22 +13,35 @@ from pathlib import Path
 import flowgrpo.trainer as trainer_module
 
 ROOT = Path(__file__).resolve().parent.parent
-mode, _, calls = os.environ["FLOWGRPO_TEST_LOSS"].partition(":")
-chosen = {int(c) for c in calls.split(",")}
-factor = {"nan": float("nan"), "zero": 0.0}[mode]
-real_loss = trainer_module.grpo_loss
-count = 0
 
 
-def altered_loss(*args, **kwargs):
-    global count
-    count += 1
-    loss, stats = real_loss(*args, **kwargs)
-    return (loss * factor, stats) if count in chosen else (loss, stats)
+def install() -> None:
+    """Replace the trainer's loss as ``FLOWGRPO_TEST_LOSS`` says (nothing when it is unset)."""
+    spec = os.environ.get("FLOWGRPO_TEST_LOSS")
+    if not spec:
+        return
+    mode, _, calls = spec.partition(":")
+    chosen = {int(c) for c in calls.split(",")}
+    factor = {"nan": float("nan"), "zero": 0.0}[mode]
+    real_loss = trainer_module.grpo_loss
+    count = 0
+
+    def altered_loss(*args, **kwargs):
+        nonlocal count
+        count += 1
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * factor, stats) if count in chosen else (loss, stats)
+
+    trainer_module.grpo_loss = altered_loss
 
 
-trainer_module.grpo_loss = altered_loss
-sys.path.insert(0, str(ROOT / "scripts"))
-from train import main  # noqa: E402
+def run_training() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train import main
 
-sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    install()
+    run_training()

@@ -1,5 +1,8 @@
-"""Two processes on the CPU through ``accelerate launch``: DDP and DeepSpeed ZeRO-2 (groups across ranks,
-weights in sync, exact resume, ZeRO-2 = DDP, non-finite losses)."""
+"""Two processes on the CPU through ``accelerate launch``: DDP, DeepSpeed ZeRO-2 and FSDP2 (groups across
+ranks, weights in sync, exact resume, each back-end trains like DDP, non-finite losses, refused launches).
+
+FSDP runs through tests/fsdp_cpu_driver.py, which lets accelerate select FSDP on the CPU (it does so only on
+GPUs); everything else is accelerate's and torch's own FSDP2 code."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ COMMON = ["run.epochs=2", "run.debug_dump=true", "run.progress=false", "sampler.
 DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
        "--dynamo_backend", "no"]  # fmt: skip
 ZERO2 = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2"]
+FSDP2 = ["--config_file", "configs/accelerate/fsdp.yaml", "--num_processes", "2"]
+FSDP_DRIVER = "tests/fsdp_cpu_driver.py"
 
 
 def _launch(launcher: list[str], output_dir: Path, *overrides: str, script: str = "scripts/train.py",
@@ -45,13 +50,15 @@ def _final(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "debug" / f"final_rank{rank}.pt")
 
 
-def _resume_from_first_checkpoint(launcher: list[str], run_dir: Path, tmp_path: Path) -> Path:
+def _resume_from_first_checkpoint(launcher: list[str], run_dir: Path, tmp_path: Path, *overrides: str,
+                                  script: str = "scripts/train.py") -> Path:  # fmt: skip
     """A copy of the run, cut back to its epoch-1 checkpoint, resumed to the end."""
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     shutil.rmtree(copy / "checkpoints" / "epoch-00002")
     shutil.rmtree(copy / "debug")
-    result = _launch(launcher, tmp_path, f"run.resume={copy / 'checkpoints' / 'epoch-00001'}")
+    result = _launch(launcher, tmp_path, f"run.resume={copy / 'checkpoints' / 'epoch-00001'}", *overrides,
+                     script=script)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resumed from" in result.stdout
     return copy
@@ -60,6 +67,15 @@ def _resume_from_first_checkpoint(launcher: list[str], run_dir: Path, tmp_path: 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> Path:
     return _run(DDP, tmp_path_factory.mktemp("ddp"))
+
+
+# FSDP's forwards are collectives: 3 test prompts in batches of 1 leave rank 1 one batch short, which it pads.
+FSDP_EVAL = ["eval.batch_size=1", "eval.max_prompts=3"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> Path:
+    return _run(FSDP2, tmp_path_factory.mktemp("fsdp"), *FSDP_EVAL, script=FSDP_DRIVER)
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +120,9 @@ def test_two_process_resume_is_exact(ddp_run, tmp_path):
 
 
 def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
-    # Same groups, rewards and advantages on every rank (sampling does not depend on the back-end).
-    for epoch, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        zero2, ddp = (torch.load(run / "debug" / f"epoch{epoch}_rank{rank}.pt") for run in (zero2_run, ddp_run))
-        assert zero2.keys() == ddp.keys() and all(torch.equal(zero2[k], ddp[k]) for k in zero2)
+    # ZeRO-2 all-gathers the updated weights; only the order of the gradient reduction differs from DDP.
+    _same_training(zero2_run, ddp_run, atol=1e-5)
     finals = [_final(zero2_run, r) for r in range(2)]
-    reference = _final(ddp_run, 0)
-    for key in finals[0]:
-        assert torch.equal(finals[0][key], finals[1][key]), key  # ZeRO-2 all-gathers the updated weights
-        # Same loss, accumulation and clipping: only the order of the gradient reduction differs.
-        torch.testing.assert_close(finals[0][key], reference[key], atol=1e-5, rtol=0, msg=key)
     checkpoint = zero2_run / "checkpoints" / "epoch-00002"
     assert (checkpoint / "deepspeed").is_dir() and not (checkpoint / "optimizer.pt").exists()
     # adapter.safetensors (what export reads) holds the trained weights.
@@ -174,3 +183,74 @@ def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage
     assert result.returncode != 0
     assert message in " ".join(result.stderr.split())
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
+
+
+def _same_training(run: Path, reference: Path, atol: float) -> None:
+    """Same groups on every rank and, from the same initial weights, the same rewards and advantages; final
+    weights and EMA equal on both ranks and within ``atol`` of the reference run's."""
+    for epoch, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        ours, theirs = (torch.load(r / "debug" / f"epoch{epoch}_rank{rank}.pt") for r in (run, reference))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in (ours if epoch == 0 else ["group_ids", "all_group_ids"]))
+    finals = [_final(run, r) for r in range(2)]
+    expected = _final(reference, 0)
+    assert finals[0].keys() == expected.keys()
+    for key in finals[0]:
+        assert torch.equal(finals[0][key], finals[1][key]), key
+        torch.testing.assert_close(finals[0][key], expected[key], atol=atol, rtol=0, msg=key)
+
+
+def test_fsdp2_trains_like_ddp(fsdp_run, ddp_run):
+    # Sharded LoRA weights (DTensors), gathered whole for the debug dump and the checkpoint.
+    _same_training(fsdp_run, ddp_run, atol=1e-6)
+    checkpoint = fsdp_run / "checkpoints" / "epoch-00002"
+    assert (checkpoint / "optimizer_full.pt").is_file() and not (checkpoint / "optimizer.pt").exists()
+    ours, theirs = (load_file(str(r / "checkpoints" / "epoch-00002" / "adapter.safetensors"))
+                    for r in (fsdp_run, ddp_run))  # fmt: skip
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], atol=1e-6, rtol=0, msg=k)
+    # Evaluation padded rank 1's shard: every prompt once, in file order.
+    report = json.loads((fsdp_run / "eval" / "epoch00002.json").read_text())
+    prompts = [p for p in (ROOT / "configs" / "prompts" / "tiny_test.txt").read_text().split("\n") if p][:3]
+    assert [r["prompt"] for r in report["images"]] == prompts
+
+
+def test_fsdp2_resume_is_exact(fsdp_run, tmp_path):
+    resumed = _resume_from_first_checkpoint(FSDP2, fsdp_run, tmp_path, *FSDP_EVAL, script=FSDP_DRIVER)
+    for rank in range(2):
+        before, after = _final(fsdp_run, rank), _final(resumed, rank)
+        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+
+
+def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
+    """NaN on backward 10 of epoch 0 (the one ending its only cycle): the update is dropped, and the
+    gradients accumulated before it do not leak into epoch 1's update. DDP and FSDP2 end equal. Frozen weights
+    in bf16 (model.dtype), LoRA weights in fp32: FSDP2 shards both."""
+    runs = {}
+    for name, launcher, script in (("ddp", DDP, "tests/loss_driver.py"), ("fsdp", FSDP2, FSDP_DRIVER)):
+        out = tmp_path / name
+        out.mkdir()
+        result = _launch(launcher, out, "eval.every=0", "checkpoint.every=0", "model.dtype=bf16", script=script,
+                         env={"FLOWGRPO_TEST_LOSS": "nan:10"})  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "non-finite loss, step skipped" in result.stdout
+        (runs[name],) = [p for p in out.iterdir() if p.is_dir()]
+        rows = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+        assert [r["global_step"] for r in rows] == [0, 1]
+    for rank in range(2):
+        fsdp, ddp = _final(runs["fsdp"], rank), _final(runs["ddp"], rank)
+        assert all(torch.isfinite(v).all() for v in fsdp.values())
+        for k in fsdp:
+            torch.testing.assert_close(fsdp[k], ddp[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_fsdp1_is_refused_with_the_fix(tmp_path):
+    # (On the CPU accelerate's FSDP1 plugin itself needs sync_module_states off.)
+    launcher = ["--use_fsdp", "--fsdp_version", "1", "--fsdp_sync_module_states", "false",
+                "--fsdp_cpu_ram_efficient_loading", "false", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    result = _launch(launcher, tmp_path, script=FSDP_DRIVER)
+    assert result.returncode != 0
+    assert "set fsdp_version: 2" in " ".join(result.stderr.split())
+    assert not list(tmp_path.iterdir())
