@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .parallel import full_tensor, is_fsdp, is_sharded, load_optimizer, save_optimizer, shard_like
+from .parallel import full_tensor, is_fsdp, is_sharded, load_optimizer, optimizer_state, shard_like
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "epoch-"
@@ -145,14 +145,17 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
     failure: BaseException | None = None
     model = unwrap(trainer.adapter.transformer)
     try:
-        # First, while every process is in step: DeepSpeed's save and FSDP's gathers are collectives.
-        save_optimizer(acc, model, trainer.optimizer, tmp)
+        # First every collective, while all processes are in step (DeepSpeed's save, FSDP's gathers); then the
+        # writes, whose failures the processes agree on below.
+        optimizer = optimizer_state(acc, model, trainer.optimizer, tmp)
         gather = acc.is_main_process or is_fsdp(acc)
         weights = lora_state(model) if gather else {}
         shadow = [full_tensor(s).cpu() for s in trainer.ema.shadow] if gather and trainer.ema is not None else []
         # RNG states are per process; everything else is replicated and written once.
         torch.save(_rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
         if acc.is_main_process:
+            if optimizer is not None:
+                torch.save(optimizer[1], tmp / optimizer[0])
             save_file(weights, str(tmp / "adapter.safetensors"))
             config = model.peft_config["default"].to_dict()
             config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None

@@ -89,6 +89,16 @@ def check_launch(acc: Accelerator, config: Config) -> None:
             "FSDP version 1 is not supported (its flat parameters mix frozen and LoRA weights); set fsdp_version: 2 "
             "in the launch config (configs/accelerate/fsdp.yaml) or pass --fsdp_version 2"
         )
+    if is_fsdp(acc) and acc.mixed_precision != "no":
+        raise ConfigError(_HALF_PRECISION.format(backend="FSDP", precision=acc.mixed_precision))
+
+
+_HALF_PRECISION = (
+    "{backend} with mixed_precision {precision} would accumulate the LoRA gradients in half precision over "
+    "every timestep and micro-batch; launch with mixed_precision 'no' (--mixed_precision no, or in the launch "
+    "config) and set model.dtype=bf16: frozen weights in bf16, LoRA weights, their gradients and optimizer state "
+    "in fp32"
+)
 
 
 def _configure_deepspeed(acc: Accelerator, config: Config) -> None:
@@ -113,12 +123,8 @@ def _configure_deepspeed(acc: Accelerator, config: Config) -> None:
         )
     half = [k for k in ("fp16", "bf16") if str(ds.get(k, {}).get("enabled", False)).lower() == "true"]
     if acc.mixed_precision != "no" or half:
-        raise ConfigError(
-            f"DeepSpeed in {acc.mixed_precision if acc.mixed_precision != 'no' else half[0]} would cast the LoRA "
-            "weights to half precision and accumulate their gradients there; launch with mixed_precision 'no' "
-            "(--mixed_precision no, or in the launch config) and set model.dtype=bf16: frozen weights in bf16, "
-            "LoRA weights, their gradients and optimizer state in fp32"
-        )
+        precision = acc.mixed_precision if acc.mixed_precision != "no" else half[0]
+        raise ConfigError(_HALF_PRECISION.format(backend="DeepSpeed", precision=precision))
     # The loop owns accumulation and its 1/N scaling; DeepSpeed must neither count micro-steps nor rescale.
     ds["gradient_accumulation_steps"] = 1
     plugin.gradient_accumulation_steps = 1
@@ -139,33 +145,35 @@ def zero_loss(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def zeroed(loss: torch.Tensor) -> torch.Tensor:
-    """A non-finite loss turned into 0 through its own graph: its backward still runs FSDP2's reduce-scatter of
-    the cycle's accumulated gradients (which the caller then drops)."""
+    """A non-finite loss turned into 0 through its own graph: its backward still runs the reduction of the
+    cycle's accumulated gradients that the forward armed (DDP's all-reduce, FSDP2's reduce-scatter); the caller
+    then drops them (they may hold NaN)."""
     return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) * 0.0
 
 
-def save_optimizer(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Every process calls this. DDP: rank 0 writes ``optimizer.pt``; DeepSpeed: its own checkpoint files;
-    FSDP2: rank 0 writes the gathered state, keyed by parameter name."""
+def optimizer_state(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    folder: Path) -> tuple[str, dict[str, Any]] | None:  # fmt: skip
+    """What rank 0 writes for the optimizer: ``(file name, state)``, or None. Every process calls this first in
+    a checkpoint, while all are in step: DeepSpeed writes its own sharded files here (a collective), FSDP2
+    gathers the whole state onto rank 0 (keyed by parameter name), DDP's is replicated."""
     if is_deepspeed(acc):
         engine(acc).save_checkpoint(str(folder / DEEPSPEED_FOLDER), tag=DEEPSPEED_TAG, save_latest=False,
                                     exclude_frozen_parameters=True)  # fmt: skip
-    elif is_fsdp(acc):
+        return None
+    if is_fsdp(acc):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        # Keyed by parameter name, gathered whole onto rank 0's CPU.
-        full = get_optimizer_state_dict(model, _inner(optimizer),
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
-        if acc.is_main_process:
-            torch.save(full, folder / FSDP_OPTIMIZER)
-    elif acc.is_main_process:
-        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        if not _inner(optimizer).state:  # no step yet: torch would initialise the state with a dummy step
+            return FSDP_OPTIMIZER, {}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return FSDP_OPTIMIZER, get_optimizer_state_dict(model, _inner(optimizer), options=options)
+    return "optimizer.pt", optimizer.state_dict() if acc.is_main_process else {}
 
 
 def load_optimizer(
     acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
 ) -> None:
-    """Restore what :func:`save_optimizer` wrote (after the adapter weights have been loaded)."""
+    """Restore what :func:`optimizer_state` saved (after the adapter weights have been loaded)."""
     from .checkpoint import CheckpointError
 
     if is_deepspeed(acc):
@@ -189,7 +197,8 @@ def load_optimizer(
     if is_fsdp(acc):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, _inner(optimizer), state, options=StateDictOptions(full_state_dict=True))
+        if state:  # empty: saved before the first step
+            set_optimizer_state_dict(model, _inner(optimizer), state, options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(state)
 

@@ -301,7 +301,9 @@ class GRPOTrainer:
                             # The engine's cycle must still end (and step) on every rank: this micro-step adds
                             # nothing, the update goes ahead with the cycle's finite micro-steps.
                             acc.backward(zero_loss(self.params))
-                        elif sync and self.fsdp:  # the reduce-scatter must still run; the update is dropped below
+                        elif sync:
+                            # DDP / FSDP: the cycle's gradient reduction still runs (the forward has armed it), on a
+                            # loss zeroed through its own graph; the update is dropped below.
                             acc.backward(zeroed(loss))
                     if finite:
                         self.state.nonfinite_in_a_row = 0

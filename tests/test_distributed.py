@@ -224,20 +224,21 @@ def test_fsdp2_resume_is_exact(fsdp_run, tmp_path):
 
 
 def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
-    """NaN on backward 10 of epoch 0 (the one ending its only cycle): the update is dropped, and the
-    gradients accumulated before it do not leak into epoch 1's update. DDP and FSDP2 end equal. Frozen weights
-    in bf16 (model.dtype), LoRA weights in fp32: FSDP2 shards both."""
+    """NaN on backwards 5 and 10 of epoch 0 (each ends one of its two cycles): both updates are dropped, and
+    the gradients accumulated before them do not leak into epoch 1's updates. DDP and FSDP2 end equal. Also: frozen
+    weights in bf16 (model.dtype) beside fp32 LoRA weights, the KL term's reference forward (adapter disabled)
+    between a forward and its backward, and a checkpoint before the first optimizer step."""
     runs = {}
     for name, launcher, script in (("ddp", DDP, "tests/loss_driver.py"), ("fsdp", FSDP2, FSDP_DRIVER)):
         out = tmp_path / name
         out.mkdir()
-        result = _launch(launcher, out, "eval.every=0", "checkpoint.every=0", "model.dtype=bf16", script=script,
-                         env={"FLOWGRPO_TEST_LOSS": "nan:10"})  # fmt: skip
+        result = _launch(launcher, out, "eval.every=0", "model.dtype=bf16", "grpo.kl.beta=0.04",
+                         "train.gradient_accumulation=1", script=script, env={"FLOWGRPO_TEST_LOSS": "nan:5,10"})
         assert result.returncode == 0, result.stderr[-4000:]
         assert "non-finite loss, step skipped" in result.stdout
         (runs[name],) = [p for p in out.iterdir() if p.is_dir()]
         rows = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
-        assert [r["global_step"] for r in rows] == [0, 1]
+        assert [r["global_step"] for r in rows] == [0, 2] and rows[1]["train/kl"] > 0  # moved off the reference
     for rank in range(2):
         fsdp, ddp = _final(runs["fsdp"], rank), _final(runs["ddp"], rank)
         assert all(torch.isfinite(v).all() for v in fsdp.values())
@@ -245,12 +246,18 @@ def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
             torch.testing.assert_close(fsdp[k], ddp[k], atol=1e-6, rtol=0, msg=k)
 
 
-def test_fsdp1_is_refused_with_the_fix(tmp_path):
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--fsdp_version", "1"], "set fsdp_version: 2"),
+     (["--fsdp_version", "2", "--mixed_precision", "bf16"], "launch with mixed_precision 'no'")],
+)  # fmt: skip
+def test_unsupported_fsdp_launches_are_refused_with_the_fix(tmp_path, flags, message):
     # (On the CPU accelerate's FSDP1 plugin itself needs sync_module_states off.)
-    launcher = ["--use_fsdp", "--fsdp_version", "1", "--fsdp_sync_module_states", "false",
-                "--fsdp_cpu_ram_efficient_loading", "false", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    launcher = ["--use_fsdp", *flags, "--fsdp_sync_module_states", "false", "--fsdp_cpu_ram_efficient_loading",
+                "false", "--num_processes", "2", "--num_machines", "1", "--dynamo_backend", "no"]  # fmt: skip
+    if "--mixed_precision" not in flags:
+        launcher += ["--mixed_precision", "no"]
     result = _launch(launcher, tmp_path, script=FSDP_DRIVER)
     assert result.returncode != 0
-    assert "set fsdp_version: 2" in " ".join(result.stderr.split())
+    assert message in " ".join(result.stderr.split())
     assert not list(tmp_path.iterdir())
