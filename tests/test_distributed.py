@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +119,31 @@ def test_two_process_resume_is_exact(ddp_run, tmp_path):
     for rank in range(2):
         before, after = _final(ddp_run, rank), _final(resumed, rank)
         assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree to stop, checkpoint once and exit (torchrun itself
+    then reports the signal: exit code 143)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, "scripts/train.py", "--config", str(TINY),
+           f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
+           "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        logs = list(tmp_path.glob("tiny-sd3-*/metrics.jsonl"))
+        if logs and logs[0].read_text().count("\n") >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert "stop requested (signal): checkpoint written" in out, err[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "state.json").read_text())
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert 2 <= state["epoch"] == len(rows) < 500
+    assert (checkpoint / "rng_rank0.pt").is_file() and (checkpoint / "rng_rank1.pt").is_file()
 
 
 def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
