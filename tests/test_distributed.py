@@ -31,14 +31,14 @@ DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_pr
 ZERO2 = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2"]
 FSDP2 = ["--config_file", "configs/accelerate/fsdp.yaml", "--num_processes", "2"]
 FSDP_DRIVER = "tests/fsdp_cpu_driver.py"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _launch(launcher: list[str], output_dir: Path, *overrides: str, script: str = "scripts/train.py",
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, script, "--config", str(TINY),
            f"run.output_dir={output_dir}", *COMMON, *overrides]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600)
 
 
 def _run(launcher: list[str], output_dir: Path, *overrides: str, **kwargs) -> Path:
@@ -50,6 +50,13 @@ def _run(launcher: list[str], output_dir: Path, *overrides: str, **kwargs) -> Pa
 
 def _final(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "debug" / f"final_rank{rank}.pt")
+
+
+def _assert_same_finals(run: Path, reference: Path) -> None:
+    """Bit-equal final weights and EMA, rank by rank."""
+    for rank in range(2):
+        ours, theirs = _final(run, rank), _final(reference, rank)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), f"rank {rank}"
 
 
 def _resume_from_first_checkpoint(launcher: list[str], run_dir: Path, tmp_path: Path, *overrides: str,
@@ -115,10 +122,7 @@ def test_two_processes_share_groups_and_stay_in_sync(ddp_run):
 
 
 def test_two_process_resume_is_exact(ddp_run, tmp_path):
-    resumed = _resume_from_first_checkpoint(DDP, ddp_run, tmp_path)
-    for rank in range(2):
-        before, after = _final(ddp_run, rank), _final(resumed, rank)
-        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+    _assert_same_finals(_resume_from_first_checkpoint(DDP, ddp_run, tmp_path), ddp_run)
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
@@ -127,8 +131,7 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_pa
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, "scripts/train.py", "--config", str(TINY),
            f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
            "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         logs = list(tmp_path.glob("tiny-sd3-*/metrics.jsonl"))
@@ -167,10 +170,7 @@ def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
 
 
 def test_deepspeed_zero2_resume_is_exact(zero2_run, tmp_path):
-    resumed = _resume_from_first_checkpoint(ZERO2, zero2_run, tmp_path)
-    for rank in range(2):
-        before, after = _final(zero2_run, rank), _final(resumed, rank)
-        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+    _assert_same_finals(_resume_from_first_checkpoint(ZERO2, zero2_run, tmp_path), zero2_run)
 
 
 def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
@@ -245,9 +245,7 @@ def test_fsdp2_trains_like_ddp(fsdp_run, ddp_run):
 
 def test_fsdp2_resume_is_exact(fsdp_run, tmp_path):
     resumed = _resume_from_first_checkpoint(FSDP2, fsdp_run, tmp_path, *FSDP_EVAL, script=FSDP_DRIVER)
-    for rank in range(2):
-        before, after = _final(fsdp_run, rank), _final(resumed, rank)
-        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank}"
+    _assert_same_finals(resumed, fsdp_run)
 
 
 def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
