@@ -50,26 +50,25 @@ def is_fsdp(acc: Accelerator) -> bool:
     return acc.distributed_type == DistributedType.FSDP
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind an FSDP2 shard (a collective: every process must call it); others unchanged."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an FSDP2 shard (a DTensor)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP2 shard (a collective: every process must call it); others unchanged."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
 def shard_like(full: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``full`` laid out as ``param`` (this process's shard when ``param`` is an FSDP2 DTensor), in ``dtype``
     (default: the parameter's)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     full = full.to(device=param.device, dtype=dtype or param.dtype)
-    if isinstance(param, DTensor):  # every process holds the same full tensor
+    if is_sharded(param):  # every process holds the same full tensor
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     return full
 
