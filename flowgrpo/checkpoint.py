@@ -5,7 +5,7 @@
         ema.safetensors         EMA of the adapter weights (if train.ema > 0)
         optimizer.pt            optimizer state (tensors and numbers only: loaded with weights_only=True);
                                 under DeepSpeed instead deepspeed/ (its files: trainable weights and every
-                                process's optimizer shard), under FSDP optimizer_rank{r}.pt
+                                process's optimizer shard), under FSDP optimizer_full.pt (whole, by parameter name)
         state.json              epoch, optimizer steps, best eval reward, … (the sliding window and the
                                 epoch's prompt plan are functions of the epoch, so this restores them too)
         rng_rank{r}.pt          torch / numpy / python RNG states of every process
@@ -85,11 +85,12 @@ def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     """Load adapter weights; every LoRA weight of the model must be in ``state`` and nothing else."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    missing = sorted(set(get_peft_model_state_dict(model)) - set(state))
+    expected = set(get_peft_model_state_dict(model))
+    missing = sorted(expected - set(state))
     if missing:
         raise CheckpointError(f"the checkpoint lacks adapter weights of this model (e.g. {missing[0]}): "
                               "was it trained with other model.lora settings?")  # fmt: skip
-    unexpected = sorted(set(state) - set(get_peft_model_state_dict(model)))
+    unexpected = sorted(set(state) - expected)
     if unexpected:
         raise CheckpointError(f"adapter weights do not fit this model (unexpected keys such as {unexpected[0]})")
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from signal_helper import sigterm_after_epochs
 
 import flowgrpo.checkpoint as checkpoint_module
 import flowgrpo.trainer as trainer_module
@@ -112,15 +111,7 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     cmd = [sys.executable, "scripts/train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "run.epochs=200",
            "run.progress=false", "eval.every=0", "checkpoint.every=0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        runs = list(tmp_path.glob("tiny-sd3-*/metrics.jsonl"))
-        if runs and runs[0].read_text().count("\n") >= 1:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=240)
+    proc, out, err = sigterm_after_epochs(cmd, tmp_path, 1, cwd=ROOT, env=ENV, timeout=240)
     assert proc.returncode == 0, err[-3000:]
     assert "stop requested" in out
     (run_dir,) = tmp_path.iterdir()

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from signal_helper import sigterm_after_epochs
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_sd3.yaml"
@@ -131,15 +130,7 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_pa
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, "scripts/train.py", "--config", str(TINY),
            f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
            "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        logs = list(tmp_path.glob("tiny-sd3-*/metrics.jsonl"))
-        if logs and logs[0].read_text().count("\n") >= 2:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    _, out, err = sigterm_after_epochs(cmd, tmp_path, 2, cwd=ROOT, env=ENV)
     assert "stop requested (signal): checkpoint written" in out, err[-3000:]
     (run_dir,) = tmp_path.iterdir()
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
