@@ -17,6 +17,7 @@ import math
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ class GRPOTrainer:
         if resume is not None:
             load_checkpoint(self, resume)
             acc.print(f"resumed from {resume} at epoch {self.state.epoch}")
-        self.stop_requested = False
+        self.stop = StopRequest()
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")
         if acc.is_main_process:
@@ -175,11 +176,11 @@ class GRPOTrainer:
                 self._log(metrics, epoch)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
                 done = epoch + 1 == cfg.run.epochs
-                self._agree_to_stop()  # a signal may have reached only some processes since the last step
-                if self.stop_requested or done or new_best or (save_every and (epoch + 1) % save_every == 0):
+                stopping = self._agree_to_stop()  # a signal may have reached only some processes since the last step
+                if stopping or done or new_best or (save_every and (epoch + 1) % save_every == 0):
                     path = save_checkpoint(self, epoch + 1)
                     acc.print(f"checkpoint: {path}")
-                if self.stop_requested:
+                if stopping:
                     acc.print("stop requested (signal): checkpoint written, exiting")
                     break
         self._finish()
@@ -363,9 +364,10 @@ class GRPOTrainer:
 
     def _agree_to_stop(self) -> bool:
         """Whether any process got SIGTERM/SIGINT; every process agrees, so all stop after the same step."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.accelerator.device)
-        self.stop_requested = bool(self.accelerator.gather(flag).max().item() > 0)
-        return self.stop_requested
+        before = self.stop.agreed
+        if self.stop.agree(self.accelerator.gather, self.accelerator.device) and not before:
+            self.accelerator.print("stop signal received: stopping after this step")
+        return self.stop.agreed
 
     def run_eval(self, epoch: int) -> dict[str, float]:
         """ODE sampling on the test prompts, split over processes; ``eval/...`` metrics and a report (rank 0)."""
@@ -457,15 +459,50 @@ class GRPOTrainer:
         acc.end_training()
 
 
+class StopRequest:
+    """A pre-emption request. Signal handlers set it at any instant, also while this process waits inside a
+    collective; the processes agree on it only at step boundaries, and once agreed it stays set.
+
+    A signal that lands during an agreement's all-gather counts at the next one: read once before the gather,
+    never overwritten by its result (overwriting lost the request when every process got it mid-gather).
+    """
+
+    #: a second SIGINT at least this long after the first stops at once (a person pressing Ctrl-C again);
+    #: quicker repeats are the same request delivered twice (the terminal and then the launcher).
+    interrupt_again_after_s = 2.0
+
+    def __init__(self) -> None:
+        self.first_signal_at: float | None = None
+        self.agreed = False
+
+    @property
+    def received(self) -> bool:
+        return self.first_signal_at is not None
+
+    def on_signal(self, signum: int) -> bool:
+        """Record a signal; True when it asks to stop now rather than after the current step."""
+        now = time.monotonic()
+        if self.first_signal_at is None:
+            self.first_signal_at = now
+            return False
+        # SIGTERM never escalates: schedulers and launchers may each deliver it, and they SIGKILL after a grace.
+        return signum == signal.SIGINT and now - self.first_signal_at >= self.interrupt_again_after_s
+
+    def agree(self, gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> bool:
+        """All-gather whether any process has received a signal; the same answer on every process."""
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        self.agreed = self.agreed or bool(gather(flag).max().item() > 0)
+        return self.agreed
+
+
 @contextlib.contextmanager
 def _stop_on_signals(trainer: GRPOTrainer):
     """SIGTERM / SIGINT: finish the current optimizer step, checkpoint, exit cleanly (pre-emption)."""
 
     def request_stop(signum, frame):  # noqa: ARG001
-        if trainer.stop_requested:  # a second signal: stop now
+        # No printing here: a handler that runs inside print() would make a reentrant call on stdout.
+        if trainer.stop.on_signal(signum):
             raise KeyboardInterrupt
-        trainer.stop_requested = True
-        trainer.accelerator.print(f"received {signal.Signals(signum).name}: stopping after the current step")
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:

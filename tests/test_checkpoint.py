@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import flowgrpo.checkpoint as checkpoint_module
 import flowgrpo.trainer as trainer_module
 from flowgrpo.checkpoint import list_checkpoints, save_checkpoint
 from flowgrpo.config import load_config
-from flowgrpo.trainer import GRPOTrainer, TrainingError
+from flowgrpo.trainer import GRPOTrainer, StopRequest, TrainingError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_sd3.yaml"
@@ -124,6 +125,38 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt}" in resumed.stdout
+
+
+
+def _gather_two(other: float):
+    """An all-gather over this process and one other whose flag is ``other``."""
+    return lambda flag: torch.cat([flag, torch.tensor([other])])
+
+
+def test_a_signal_that_lands_during_the_stop_agreement_stops_at_the_next_one():
+    # Every process got SIGTERM while it waited inside the agreement's all-gather (their handlers ran after the
+    # flags were read): no one stops at this step, but the request is kept, and all stop after the next one.
+    stop = StopRequest()
+
+    def signalled_mid_gather(flag):
+        stop.on_signal(signal.SIGTERM)
+        return _gather_two(0.0)(flag)
+
+    assert stop.agree(signalled_mid_gather, "cpu") is False and stop.received
+    assert stop.agree(_gather_two(0.0), "cpu") is True
+    assert stop.agree(lambda flag: torch.zeros(2), "cpu") is True  # once agreed, it stays set
+
+    # Another process's signal stops this one too.
+    assert StopRequest().agree(_gather_two(1.0), "cpu") is True
+
+
+def test_repeated_signals_stop_at_once_only_for_a_later_second_ctrl_c():
+    stop = StopRequest()
+    assert [stop.on_signal(signal.SIGTERM) for _ in range(3)] == [False, False, False]  # scheduler + launcher
+    stop = StopRequest()
+    assert [stop.on_signal(signal.SIGINT) for _ in range(2)] == [False, False]  # terminal + launcher, same press
+    stop.interrupt_again_after_s = 0.0
+    assert stop.on_signal(signal.SIGINT) is True
 
 
 PLAIN_DIFFUSERS = """
