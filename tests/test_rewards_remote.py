@@ -132,13 +132,14 @@ def test_unreachable_endpoint_retries_then_explains():
 
 def test_timeout_then_retry_on_503():
     state = {"n": 0}
+    release = threading.Event()  # holds the first attempt until the client has given up on it
 
     class Flaky(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers["Content-Length"]))
             state["n"] += 1
             if state["n"] == 1:
-                time.sleep(0.6)  # first attempt: longer than the client's timeout
+                release.wait(30)  # first attempt: answered only after the client's timeout
             status, body = (503, {"error": "busy"}) if state["n"] == 2 else (200, {"scores": {"s": [0.25, 0.5]}})
             data = json.dumps(body).encode()
             try:
@@ -156,9 +157,10 @@ def test_timeout_then_retry_on_503():
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/score"
-        remote = build_reward([{"name": "remote", "url": url, "retries": 2, "backoff": 0.01, "timeout": 0.3}])
+        remote = build_reward([{"name": "remote", "url": url, "retries": 2, "backoff": 0.01, "timeout": 1.0}])
         out = remote(torch.rand(2, 3, 8, 8), ["a", "b"])
     finally:
+        release.set()
         server.shutdown()
         server.server_close()
     assert state["n"] == 3 and out["remote"].tolist() == [0.25, 0.5]
