@@ -113,7 +113,8 @@ def _saved_name(parameter_name: str, adapter: str = "default") -> str:
     return parameter_name.replace(f".{adapter}.", ".")
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's torch / CUDA / numpy / python RNG states (what a checkpoint stores per process)."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -130,8 +131,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(trainer: Any, epoch: int) -> Path:
-    """Write ``<run>/checkpoints/epoch-NNNNN`` atomically (all processes call this; rank 0 writes the shared parts)."""
+def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None) -> Path:
+    """Write ``<run>/checkpoints/epoch-NNNNN`` atomically (all processes call this; rank 0 writes the shared parts).
+
+    ``rng``: the RNG states to store instead of the current ones (a stop during sampling stores the epoch's
+    starting states, so that a resume redoes the epoch exactly)."""
     acc = trainer.accelerator
     folder = trainer.run_dir / CHECKPOINTS
     final = folder / checkpoint_name(epoch)
@@ -153,7 +157,7 @@ def save_checkpoint(trainer: Any, epoch: int) -> Path:
         weights = lora_state(model) if gather else {}
         shadow = [full_tensor(s).cpu() for s in trainer.ema.shadow] if gather and trainer.ema is not None else []
         # RNG states are per process; everything else is replicated and written once.
-        torch.save(_rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
+        torch.save(rng if rng is not None else rng_state(), tmp / f"rng_rank{acc.process_index}.pt")
         if acc.is_main_process:
             if optimizer is not None:
                 torch.save(optimizer[1], tmp / optimizer[0])

@@ -32,7 +32,7 @@ from samplers import SlidingWindow, transition_kl
 
 from .adapters import build_adapter
 from .advantages import compute_advantages
-from .checkpoint import checkpoint_name, load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import checkpoint_name, load_checkpoint, resolve_resume, rng_state, save_checkpoint
 from .config import Config, ConfigError, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
@@ -164,10 +164,17 @@ class GRPOTrainer:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
         with _stop_on_signals(self):
             for epoch in bar:
+                epoch_rng = rng_state()
                 metrics = self.run_epoch(epoch)
+                if metrics is None:  # stopped while sampling: nothing of this epoch is kept, a resume redoes it
+                    path = save_checkpoint(self, epoch, rng=epoch_rng)
+                    acc.print(f"checkpoint: {path}\nstop requested (signal): checkpoint written, exiting")
+                    break
                 self.state.epoch = epoch + 1
                 new_best = False
-                if every and (epoch + 1) % every == 0:
+                # A stop skips this epoch's evaluation: a launcher kills its workers soon after forwarding a
+                # signal (torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default).
+                if every and (epoch + 1) % every == 0 and not self._agree_to_stop():
                     best_before = self.state.best_eval
                     metrics.update(self.run_eval(epoch + 1))
                     new_best = self.state.best_eval is not None and self.state.best_eval != best_before
@@ -186,7 +193,9 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
-    def run_epoch(self, epoch: int) -> dict[str, float]:
+    def run_epoch(self, epoch: int) -> dict[str, float] | None:
+        """Sample, score, compute advantages and train one epoch; its metrics, or None when a stop signal was
+        agreed during sampling (the epoch is then abandoned before any update)."""
         cfg, acc = self.config, self.accelerator
         timings: dict[str, float] = {}
         window = self.window.steps(epoch)
@@ -217,6 +226,9 @@ class GRPOTrainer:
             scorer.submit(traj.images, prompts, metadata)  # scored while the next batch samples
             traj.images = traj.images.cpu()  # kept for image grids only: free the device memory
             parts.append(traj)
+            if self._agree_to_stop():  # every process has the same number of batches (validated)
+                scorer.close()
+                return None
         trajectory = Trajectory.cat(parts)
         timings["time/sampling"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -320,8 +332,12 @@ class GRPOTrainer:
                     if finite or self.deepspeed:
                         # DeepSpeed has already clipped and stepped (in the backward) and reports its norm here.
                         grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm))
-                        self.optimizer.step()
-                        if self.optimizer.step_was_skipped:  # DeepSpeed found non-finite gradients
+                        # A finite loss can still overflow in its backward. The norm is taken after the reduction,
+                        # so every process drops the update alike (clipping would have turned the inf into NaN).
+                        skip = not self.deepspeed and not math.isfinite(grad_norm)
+                        if not skip:
+                            self.optimizer.step()
+                        if skip or self.optimizer.step_was_skipped:  # (DeepSpeed skips non-finite ones itself)
                             self._skip_nonfinite("gradients")
                         else:
                             sums["grad_norm"].append(grad_norm)

@@ -52,6 +52,57 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # the resumed run appends to the same log
 
 
+
+def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exactly(tmp_path, monkeypatch):
+    # A launcher kills its workers soon after forwarding a signal, so processes check for a stop after every
+    # rollout batch too, not only after updates.
+    common = ["train.ema=0.5", "sampler.batch_size=4"]  # 4 rollout batches per epoch
+    full = _trainer(tmp_path / "a", "run.epochs=2", *common)
+    full.fit()
+    real_rollout, calls = trainer_module.rollout, {"n": 0}
+
+    def signalled_rollout(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # epoch 1, second rollout batch
+            part.stop.on_signal(signal.SIGTERM)
+        return real_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "rollout", signalled_rollout)
+    part = _trainer(tmp_path / "b", "run.epochs=2", *common)
+    part.fit()
+    assert calls["n"] == 6  # no further rollout, no training in epoch 1
+    (checkpoint,) = list_checkpoints(part.run_dir)
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert checkpoint.name == "epoch-00001" and state["epoch"] == 1 and state["global_step"] == 2
+    monkeypatch.setattr(trainer_module, "rollout", real_rollout)
+    resumed = _trainer(tmp_path / "b", "run.epochs=2", f"run.resume={part.run_dir}", *common)
+    resumed.fit()
+    a, b = list_checkpoints(full.run_dir)[-1], list_checkpoints(part.run_dir)[-1]
+    assert a.name == b.name == "epoch-00002"
+    for name in ("adapter.safetensors", "ema.safetensors"):
+        wa, wb = load_file(str(a / name)), load_file(str(b / name))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), name
+    rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1]
+
+
+def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypatch):
+    real_loss, calls = trainer_module.grpo_loss, {"n": 0}
+
+    def signalled_loss(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 10:  # the last backward of epoch 0
+            trainer.stop.on_signal(signal.SIGTERM)
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", signalled_loss)
+    trainer = _trainer(tmp_path, "run.epochs=3", "eval.every=1")
+    trainer.fit()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert ["eval/total" in r for r in rows] == [True, False]  # the evaluation before training, then epoch 0
+    assert [p.name for p in list_checkpoints(trainer.run_dir)] == ["epoch-00001"]
+
+
 def test_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "run.epochs=1", "checkpoint.every=1")
     trainer.fit()
@@ -107,6 +158,27 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
     trainer = _trainer(tmp_path, "run.epochs=1", "run.max_nonfinite_steps=3")
     with pytest.raises(TrainingError, match="3 non-finite losses or gradients in a row"):
         trainer.fit()
+
+
+
+def test_a_finite_loss_with_nonfinite_gradients_drops_the_update(tmp_path, capsys):
+    # The loss is finite but its backward overflows in one LoRA weight: the clipped norm is inf, and stepping
+    # would write NaN into every weight through the clip coefficient (and into the EMA for good).
+    trainer = _trainer(tmp_path, "run.epochs=1", "train.ema=0.5")
+    overflowing = trainer.params[0].register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    before = [p.detach().clone() for p in trainer.params]
+    shadow = [s.clone() for s in trainer.ema.shadow]
+    trainer.fit()
+    assert trainer.state.global_step == 0  # both updates of the epoch dropped
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, before, strict=True))
+    assert all(torch.equal(s, t) for s, t in zip(trainer.ema.shadow, shadow, strict=True))
+    assert capsys.readouterr().out.count("warning: non-finite gradients, step skipped") == 2
+
+    overflowing.remove()  # the next cycle is healthy again
+    trainer.config.run.epochs = 2
+    trainer.fit()
+    assert trainer.state.global_step == 2 and all(torch.isfinite(p).all() for p in trainer.params)
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.params, before, strict=True))
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):

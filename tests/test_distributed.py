@@ -130,7 +130,9 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_pa
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, "scripts/train.py", "--config", str(TINY),
            f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
            "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
-    _, out, err = sigterm_after_epochs(cmd, tmp_path, 2, cwd=ROOT, env=ENV)
+    # torchrun SIGKILLs its workers this long after forwarding the signal (30 s by default): room for a slow machine.
+    env = {**ENV, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "180"}
+    _, out, err = sigterm_after_epochs(cmd, tmp_path, 2, cwd=ROOT, env=env)
     assert "stop requested (signal): checkpoint written" in out, err[-3000:]
     (run_dir,) = tmp_path.iterdir()
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
