@@ -37,7 +37,7 @@ class RunConfig:
     trackers: list[str] = field(default_factory=list)  # accelerate trackers: "tensorboard", "wandb"
     image_grid_every: int = 0  # epochs between image grids of sampled groups (0: never)
     progress: bool = True  # progress bars on rank 0
-    max_nonfinite_steps: int = 5  # stop after this many NaN/inf losses in a row
+    max_nonfinite_steps: int = 5  # stop after this many NaN/inf losses (one per trained timestep) or gradients in a row
     debug_dump: bool = False  # per-rank dumps of groups/rewards/advantages and final adapter weights (tests)
 
 

@@ -13,6 +13,7 @@ and every process runs the same number of forwards (they gather weights: collect
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,23 @@ _HALF_PRECISION = (
 )
 
 
+def require_deepspeed_boundaries() -> None:
+    """The loop needs accelerate's DeepSpeed wrapper to take the accumulation boundary from ``sync_gradients``
+    on every backward and to report DeepSpeed's gradient norm; older accelerate releases stepped the engine after
+    every backward (here: once per timestep) and returned no norm."""
+    import accelerate
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    backward = inspect.signature(DeepSpeedEngineWrapper.backward).parameters
+    if "sync_gradients" not in backward or not hasattr(DeepSpeedEngineWrapper, "get_global_grad_norm"):
+        raise ConfigError(
+            f"accelerate {accelerate.__version__} steps DeepSpeed after every backward pass, which would update the "
+            "weights once per timestep; upgrade accelerate (pip install -U accelerate) or launch without DeepSpeed"
+        )
+
+
 def _configure_deepspeed(acc: Accelerator, config: Config) -> None:
+    require_deepspeed_boundaries()
     plugin = acc.state.deepspeed_plugin
     ds = plugin.deepspeed_config
     for section in ("optimizer", "scheduler"):

@@ -205,6 +205,24 @@ def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
 
 
+
+def test_deepspeed_is_refused_with_an_accelerate_that_steps_after_every_backward(monkeypatch):
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    from flowgrpo.config import ConfigError
+    from flowgrpo.parallel import require_deepspeed_boundaries
+
+    require_deepspeed_boundaries()  # the installed accelerate has what the loop needs
+
+    def old_backward(self, loss, **kwargs):  # accelerate before per-backward boundaries
+        self.engine.backward(loss, **kwargs)
+        self.engine.step()
+
+    monkeypatch.setattr(DeepSpeedEngineWrapper, "backward", old_backward)
+    with pytest.raises(ConfigError, match="upgrade accelerate"):
+        require_deepspeed_boundaries()
+
+
 def _same_training(run: Path, reference: Path, atol: float) -> None:
     """Same groups on every rank and, from the same initial weights, the same rewards and advantages; final
     weights and EMA equal on both ranks and within ``atol`` of the reference run's."""
