@@ -70,6 +70,48 @@ def resolve_resume(resume: str, output_dir: str, run_name: str) -> Path:
     )
 
 
+
+SUPERSEDED = "superseded"
+
+
+def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
+    """Resuming from an older checkpoint of a run: move what the run wrote after ``epoch`` (later checkpoints,
+    their metrics rows, eval reports and sample grids) to ``<run>/superseded/after-epoch-NNNNN-<stamp>/``.
+
+    Left in place, a later ``run.resume=latest`` would pick the abandoned run's newest checkpoint, pruning would
+    interleave both runs' checkpoints, and the metrics log would hold every epoch twice. Nothing is deleted.
+    Returns the folder, or None when the resumed checkpoint was the run's newest output. Rank 0 only.
+    """
+    run_dir = Path(run_dir)
+    later = [c for c in list_checkpoints(run_dir) if c.name > checkpoint_name(epoch)]
+    # Sample grids are named by the epoch that sampled them, eval reports by the epochs done before them.
+    files = [p for p in sorted((run_dir / "samples").glob("epoch*.png")) if int(p.stem[5:]) >= epoch]
+    files += [p for p in sorted((run_dir / "eval").glob("epoch*.*")) if int(p.stem[5:]) > epoch]
+    log = run_dir / "metrics.jsonl"
+    kept: list[str] = []
+    dropped: list[str] = []
+    for row in log.read_text(encoding="utf-8").splitlines(keepends=True) if log.is_file() else []:
+        try:
+            keep = json.loads(row)["epoch"] < epoch
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            keep = False
+        (kept if keep else dropped).append(row)
+    if not later and not files and not dropped:
+        return None
+    dest = run_dir / SUPERSEDED / f"after-{checkpoint_name(epoch)}-{stamp}"
+    for path in later + files:
+        target = dest / path.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    if dropped:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "metrics.jsonl").write_text("".join(dropped), encoding="utf-8")
+        tmp = log.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, log)
+    return dest
+
+
 def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights under peft's saved names (no adapter name), float32 on the CPU.
 

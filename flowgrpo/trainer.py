@@ -32,7 +32,14 @@ from samplers import SlidingWindow, transition_kl
 
 from .adapters import build_adapter
 from .advantages import compute_advantages
-from .checkpoint import checkpoint_name, load_checkpoint, resolve_resume, rng_state, save_checkpoint
+from .checkpoint import (
+    checkpoint_name,
+    load_checkpoint,
+    resolve_resume,
+    rng_state,
+    save_checkpoint,
+    set_aside_later,
+)
 from .config import Config, ConfigError, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
@@ -114,6 +121,11 @@ class GRPOTrainer:
         if resume is not None:
             load_checkpoint(self, resume)
             acc.print(f"resumed from {resume} at epoch {self.state.epoch}")
+            if acc.is_main_process:
+                moved = set_aside_later(self.run_dir, self.state.epoch, time.strftime("%Y%m%d-%H%M%S"))
+                if moved is not None:
+                    print(f"the run's output after {resume.name} moved to {moved}")
+            acc.wait_for_everyone()
         self.stop = StopRequest()
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")

@@ -103,6 +103,29 @@ def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypat
     assert [p.name for p in list_checkpoints(trainer.run_dir)] == ["epoch-00001"]
 
 
+
+def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
+    common = ["checkpoint.every=1", "checkpoint.keep_last=5", "eval.every=1", "run.image_grid_every=1"]
+    first = _trainer(tmp_path, "run.epochs=3", *common)
+    first.fit()
+    run = first.run_dir
+    resumed = _trainer(tmp_path, "run.epochs=3", f"run.resume={run}/checkpoints/epoch-00001", *common)
+    (aside,) = (run / "superseded").iterdir()
+    assert aside.name.startswith("after-epoch-00001-")
+    files = sorted(str(p.relative_to(aside)) for p in aside.rglob("*") if p.is_file() and "checkpoints" not in p.parts)
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["epoch-00002", "epoch-00003"]
+    assert files == ["eval/epoch00002.json", "eval/epoch00002.png", "eval/epoch00003.json", "eval/epoch00003.png",
+                     "metrics.jsonl", "samples/epoch00001.png", "samples/epoch00002.png"]  # fmt: skip
+    assert [json.loads(r)["epoch"] for r in (aside / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [p.name for p in list_checkpoints(run)] == ["epoch-00001"]  # `latest` now means this run
+    resumed.fit()
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 0, 1, 2]  # the evaluation before training, then each epoch once
+    assert [p.name for p in list_checkpoints(run)] == ["epoch-00001", "epoch-00002", "epoch-00003"]
+    again, before = (load_file(str(d / "checkpoints" / "epoch-00003" / "adapter.safetensors")) for d in (run, aside))
+    assert all(torch.equal(again[k], before[k]) for k in before)  # and the resume was exact
+
+
 def test_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "run.epochs=1", "checkpoint.every=1")
     trainer.fit()
