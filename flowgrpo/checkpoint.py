@@ -184,12 +184,16 @@ def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None)
     tmp = folder / f".tmp-{checkpoint_name(epoch)}"
     from .adapters import unwrap
 
-    if acc.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
     failure: BaseException | None = None
+    if acc.is_main_process:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as err:  # disk full, permissions: every process raises, none waits in a collective
+            failure = err
+    if _any_failed(acc, failure):
+        _raise(failure, f"rank 0 could not create {tmp}; the previous checkpoints are intact")
     model = unwrap(trainer.adapter.transformer)
     try:
         # First every collective, while all processes are in step (DeepSpeed's save, FSDP's gathers); then the
@@ -215,26 +219,38 @@ def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None)
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
         failure = err
-    # Every process learns whether any write failed (the gather is also the barrier), and all stop together.
+    if _any_failed(acc, failure):
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _raise(failure, f"another process failed to write its part of {final.name}; the previous ones are intact")
+    if acc.is_main_process:
+        try:
+            # Re-saving an epoch: move the old copy aside first, so some complete copy exists at every moment.
+            old = folder / f".old-{final.name}"
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            _prune(folder, trainer.config.checkpoint.keep_last, trainer.state.best_checkpoint)
+        except OSError as err:
+            failure = err
+    if _any_failed(acc, failure):
+        _raise(failure, f"rank 0 could not move {final.name} into place (rank 0's error says why)")
+    return final
+
+
+def _any_failed(acc: Any, failure: BaseException | None) -> bool:
+    """Whether any process failed; every process learns it (the gather is also the barrier), so all stop alike."""
     failed = torch.tensor([0.0 if failure is None else 1.0], device=acc.device)
     if acc.num_processes > 1:
         failed = acc.gather(failed)
-    if failed.max().item() > 0:
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise failure if failure is not None else CheckpointError(
-            f"another process failed to write its part of {final.name}; the previous checkpoints are intact")
-    if acc.is_main_process:
-        # Re-saving an epoch: move the old copy aside first, so some complete copy exists at every moment.
-        old = folder / f".old-{final.name}"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        _prune(folder, trainer.config.checkpoint.keep_last, trainer.state.best_checkpoint)
-    acc.wait_for_everyone()
-    return final
+    return bool(failed.max().item() > 0)
+
+
+def _raise(failure: BaseException | None, elsewhere: str) -> None:
+    """This process's own failure, or a CheckpointError saying that another process failed."""
+    raise failure if failure is not None else CheckpointError(elsewhere)
 
 
 def _prune(folder: Path, keep_last: int, best: str | None) -> None:
