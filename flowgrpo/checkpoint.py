@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -60,6 +61,11 @@ def resolve_resume(resume: str, output_dir: str, run_name: str) -> Path:
             raise CheckpointError(f"run.resume=latest: no run of '{run_name}' with a checkpoint in {output_dir}/")
         return list_checkpoints(runs[-1])[-1]
     path = Path(resume)
+    if SUPERSEDED in path.resolve().parts:
+        raise CheckpointError(
+            f"run.resume={resume!r} lies in a run's {SUPERSEDED}/ folder (output set aside by an earlier resume); "
+            f"copy that checkpoint into a run directory of its own (<dir>/checkpoints/epoch-NNNNN) and resume from it"
+        )
     if (path / "state.json").is_file():
         return path
     if path.is_dir() and list_checkpoints(path):
@@ -68,7 +74,6 @@ def resolve_resume(resume: str, output_dir: str, run_name: str) -> Path:
         f"run.resume={resume!r} is neither a checkpoint (a folder with state.json) nor a run directory with "
         f"checkpoints; pass <run>/checkpoints/epoch-NNNNN, <run>, or latest"
     )
-
 
 
 SUPERSEDED = "superseded"
@@ -85,8 +90,8 @@ def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
     run_dir = Path(run_dir)
     later = [c for c in list_checkpoints(run_dir) if c.name > checkpoint_name(epoch)]
     # Sample grids are named by the epoch that sampled them, eval reports by the epochs done before them.
-    files = [p for p in sorted((run_dir / "samples").glob("epoch*.png")) if int(p.stem[5:]) >= epoch]
-    files += [p for p in sorted((run_dir / "eval").glob("epoch*.*")) if int(p.stem[5:]) > epoch]
+    files = [p for p in sorted((run_dir / "samples").glob("epoch*.png")) if _epoch_of(p) >= epoch]
+    files += [p for p in sorted((run_dir / "eval").glob("epoch*.*")) if _epoch_of(p) > epoch]
     log = run_dir / "metrics.jsonl"
     kept: list[str] = []
     dropped: list[str] = []
@@ -98,7 +103,10 @@ def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
         (kept if keep else dropped).append(row)
     if not later and not files and not dropped:
         return None
-    dest = run_dir / SUPERSEDED / f"after-{checkpoint_name(epoch)}-{stamp}"
+    base = run_dir / SUPERSEDED / f"after-{checkpoint_name(epoch)}-{stamp}"
+    dest, n = base, 1
+    while dest.exists():  # two resumes within the same second
+        dest, n = base.with_name(f"{base.name}-{n}"), n + 1
     for path in later + files:
         target = dest / path.relative_to(run_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +118,12 @@ def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, log)
     return dest
+
+
+def _epoch_of(path: Path) -> int:
+    """NNNNN of ``epochNNNNN.json`` / ``epochNNNNN.png`` (eval reports, sample grids); -1 for any other name."""
+    match = re.fullmatch(r"epoch(\d+)\.(json|png)", path.name)
+    return int(match.group(1)) if match else -1
 
 
 def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -127,6 +127,7 @@ class GRPOTrainer:
                     print(f"the run's output after {resume.name} moved to {moved}")
             acc.wait_for_everyone()
         self.stop = StopRequest()
+        self.checkpointed_epoch = self.state.epoch if resume is not None else None  # the newest checkpoint's epoch
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")
         if acc.is_main_process:
@@ -177,10 +178,13 @@ class GRPOTrainer:
         with _stop_on_signals(self):
             for epoch in bar:
                 epoch_rng = rng_state()
-                metrics = self.run_epoch(epoch)
-                if metrics is None:  # stopped while sampling: nothing of this epoch is kept, a resume redoes it
-                    path = save_checkpoint(self, epoch, rng=epoch_rng)
-                    acc.print(f"checkpoint: {path}\nstop requested (signal): checkpoint written, exiting")
+                # A signal during the last checkpoint (or before the first epoch): stop before sampling.
+                metrics = None if self._agree_to_stop() else self.run_epoch(epoch)
+                if metrics is None:  # stopped before training: nothing of this epoch is kept, a resume redoes it
+                    if self.checkpointed_epoch != epoch:
+                        path = save_checkpoint(self, epoch, rng=epoch_rng)
+                        acc.print(f"checkpoint: {path}")
+                    acc.print("stop requested (signal): checkpoint written, exiting")
                     break
                 self.state.epoch = epoch + 1
                 new_best = False
@@ -198,6 +202,7 @@ class GRPOTrainer:
                 stopping = self._agree_to_stop()  # a signal may have reached only some processes since the last step
                 if stopping or done or new_best or (save_every and (epoch + 1) % save_every == 0):
                     path = save_checkpoint(self, epoch + 1)
+                    self.checkpointed_epoch = epoch + 1
                     acc.print(f"checkpoint: {path}")
                 if stopping:
                     acc.print("stop requested (signal): checkpoint written, exiting")
@@ -346,7 +351,8 @@ class GRPOTrainer:
                         grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm))
                         # A finite loss can still overflow in its backward. The norm is taken after the reduction,
                         # so every process drops the update alike (clipping would have turned the inf into NaN).
-                        skip = not self.deepspeed and not math.isfinite(grad_norm)
+                        # (fp16's gradient scaler skips such steps in step() and lowers its scale: leave it to it.)
+                        skip = not self.deepspeed and acc.scaler is None and not math.isfinite(grad_norm)
                         if not skip:
                             self.optimizer.step()
                         if skip or self.optimizer.step_was_skipped:  # (DeepSpeed skips non-finite ones itself)

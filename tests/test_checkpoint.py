@@ -16,7 +16,7 @@ from signal_helper import sigterm_after_epochs
 
 import flowgrpo.checkpoint as checkpoint_module
 import flowgrpo.trainer as trainer_module
-from flowgrpo.checkpoint import list_checkpoints, save_checkpoint
+from flowgrpo.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
 from flowgrpo.config import load_config
 from flowgrpo.trainer import GRPOTrainer, StopRequest, TrainingError
 
@@ -63,6 +63,9 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
 
     def signalled_rollout(*args, **kwargs):
         calls["n"] += 1
+        if calls["n"] == 5:  # epoch 1 starts: what the checkpoint must store, though sampling draws from it
+            calls["rng"] = torch.get_rng_state()
+        torch.rand(1)
         if calls["n"] == 6:  # epoch 1, second rollout batch
             part.stop.on_signal(signal.SIGTERM)
         return real_rollout(*args, **kwargs)
@@ -74,6 +77,7 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
     (checkpoint,) = list_checkpoints(part.run_dir)
     state = json.loads((checkpoint / "state.json").read_text())
     assert checkpoint.name == "epoch-00001" and state["epoch"] == 1 and state["global_step"] == 2
+    assert torch.equal(torch.load(checkpoint / "rng_rank0.pt", weights_only=False)["torch"], calls["rng"])
     monkeypatch.setattr(trainer_module, "rollout", real_rollout)
     resumed = _trainer(tmp_path / "b", "run.epochs=2", f"run.resume={part.run_dir}", *common)
     resumed.fit()
@@ -84,6 +88,25 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
         assert all(torch.equal(wa[k], wb[k]) for k in wa), name
     rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1]
+
+
+def test_a_signal_during_a_checkpoint_stops_before_the_next_epoch_samples(tmp_path, monkeypatch):
+    real_save, real_rollout, calls = trainer_module.save_checkpoint, trainer_module.rollout, {"rollouts": 0}
+
+    def signalled_save(trainer, *args, **kwargs):
+        trainer.stop.on_signal(signal.SIGTERM)
+        return real_save(trainer, *args, **kwargs)
+
+    def counted_rollout(*args, **kwargs):
+        calls["rollouts"] += 1
+        return real_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", signalled_save)
+    monkeypatch.setattr(trainer_module, "rollout", counted_rollout)
+    trainer = _trainer(tmp_path, "run.epochs=5", "checkpoint.every=1")
+    trainer.fit()
+    assert calls["rollouts"] == 2  # epoch 0 only (2 rollout batches); that checkpoint is not written again
+    assert [p.name for p in list_checkpoints(trainer.run_dir)] == ["epoch-00001"]
 
 
 def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypatch):
@@ -109,6 +132,7 @@ def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
     first = _trainer(tmp_path, "run.epochs=3", *common)
     first.fit()
     run = first.run_dir
+    (run / "eval" / "epoch00002.json.bak").write_text("{}")
     resumed = _trainer(tmp_path, "run.epochs=3", f"run.resume={run}/checkpoints/epoch-00001", *common)
     (aside,) = (run / "superseded").iterdir()
     assert aside.name.startswith("after-epoch-00001-")
@@ -118,6 +142,9 @@ def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
                      "metrics.jsonl", "samples/epoch00001.png", "samples/epoch00002.png"]  # fmt: skip
     assert [json.loads(r)["epoch"] for r in (aside / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert [p.name for p in list_checkpoints(run)] == ["epoch-00001"]  # `latest` now means this run
+    assert (run / "eval" / "epoch00002.json.bak").is_file()  # not a report of ours: left where it was
+    with pytest.raises(CheckpointError, match="superseded/ folder"):
+        _trainer(tmp_path, f"run.resume={aside}/checkpoints/epoch-00003")
     resumed.fit()
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 0, 1, 2]  # the evaluation before training, then each epoch once
