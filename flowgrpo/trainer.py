@@ -135,7 +135,9 @@ class GRPOTrainer:
             if config.run.progress:
                 print("resolved config:\n  " + config.to_yaml().rstrip().replace("\n", "\n  "))
         acc.project_configuration.project_dir = acc.project_configuration.logging_dir = str(self.run_dir)
-        acc.init_trackers(config.run.name, config=_flat(config.to_dict()))
+        # A resume tells TensorBoard to drop the earlier attempt's points from the resumed epoch on (as metrics.jsonl).
+        purge = {"tensorboard": {"purge_step": self.state.epoch}} if resume is not None else {}
+        acc.init_trackers(config.run.name, config=_flat(config.to_dict()), init_kwargs=purge)
 
     # ------------------------------------------------------------------ setup helpers
     def _make_run_dir(self, run_dir: Path | None) -> Path:

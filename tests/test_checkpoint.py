@@ -128,7 +128,8 @@ def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypat
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
-    common = ["checkpoint.every=1", "checkpoint.keep_last=5", "eval.every=1", "run.image_grid_every=1"]
+    common = ["checkpoint.every=1", "checkpoint.keep_last=5", "eval.every=1", "run.image_grid_every=1",
+              "run.trackers=[tensorboard]"]  # fmt: skip
     first = _trainer(tmp_path, "run.epochs=3", *common)
     first.fit()
     run = first.run_dir
@@ -149,6 +150,16 @@ def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 0, 1, 2]  # the evaluation before training, then each epoch once
     assert [p.name for p in list_checkpoints(run)] == ["epoch-00001", "epoch-00002", "epoch-00003"]
+    # TensorBoard drops the first attempt's points from the resumed epoch on (purge_step): each epoch once.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = run / "tiny-sd3"  # accelerate's tracker folder: the run name (hparams go to subfolders)
+    assert len(list(events.glob("events.out.tfevents.*"))) == 2  # one file per attempt
+    board = EventAccumulator(str(events))
+    board.Reload()
+    points = board.Scalars("reward/total/mean")
+    assert [e.step for e in points] == [0, 1, 2]
+    assert [e.value for e in points] == pytest.approx([r["reward/total/mean"] for r in rows[1:]])
     again, before = (load_file(str(d / "checkpoints" / "epoch-00003" / "adapter.safetensors")) for d in (run, aside))
     assert all(torch.equal(again[k], before[k]) for k in before)  # and the resume was exact
 
