@@ -148,6 +148,10 @@ def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
     finals = [_final(zero2_run, r) for r in range(2)]
     checkpoint = zero2_run / "checkpoints" / "epoch-00002"
     assert (checkpoint / "deepspeed").is_dir() and not (checkpoint / "optimizer.pt").exists()
+    # DeepSpeed's module file holds the LoRA weights only: no frozen weights, no buffers (SD3's pos_embed).
+    (module_file,) = (checkpoint / "deepspeed").rglob("mp_rank_00_model_states.pt")
+    saved = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+    assert saved and all(".lora_" in k for k in saved), [k for k in saved if ".lora_" not in k][:3]
     # adapter.safetensors (what export reads) holds the trained weights.
     weights = load_file(str(checkpoint / "adapter.safetensors"))
     params = [v for k, v in finals[0].items() if k.startswith("p")]
