@@ -189,7 +189,6 @@ def optimizer_state(acc: Accelerator, model: torch.nn.Module, optimizer: torch.o
     return "optimizer.pt", optimizer.state_dict() if acc.is_main_process else {}
 
 
-
 @contextlib.contextmanager
 def _buffers_not_saved(model: torch.nn.Module) -> Iterator[None]:
     """Leave the module's buffers out of its state dict for a while. DeepSpeed saves persistent buffers with the
@@ -204,6 +203,7 @@ def _buffers_not_saved(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for m, name in hidden:
             m._non_persistent_buffers_set.discard(name)
+
 
 def load_optimizer(
     acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path

@@ -52,7 +52,6 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # the resumed run appends to the same log
 
 
-
 def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exactly(tmp_path, monkeypatch):
     # A launcher kills its workers soon after forwarding a signal, so processes check for a stop after every
     # rollout batch too, not only after updates.
@@ -124,7 +123,6 @@ def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypat
     rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert ["eval/total" in r for r in rows] == [True, False]  # the evaluation before training, then epoch 0
     assert [p.name for p in list_checkpoints(trainer.run_dir)] == ["epoch-00001"]
-
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
@@ -221,7 +219,6 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
         trainer.fit()
 
 
-
 def test_a_finite_loss_with_nonfinite_gradients_drops_the_update(tmp_path, capsys):
     # The loss is finite but its backward overflows in one LoRA weight: the clipped norm is inf, and stepping
     # would write NaN into every weight through the clip coefficient (and into the EMA for good).
@@ -258,7 +255,6 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt}" in resumed.stdout
-
 
 
 def _gather_two(other: float):

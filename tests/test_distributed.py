@@ -209,7 +209,6 @@ def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
 
 
-
 def test_deepspeed_is_refused_with_an_accelerate_that_steps_after_every_backward(monkeypatch):
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
 
