@@ -402,7 +402,7 @@ class GRPOTrainer:
         """Whether any process got SIGTERM/SIGINT; every process agrees, so all stop after the same step."""
         before = self.stop.agreed
         if self.stop.agree(self.accelerator.gather, self.accelerator.device) and not before:
-            self.accelerator.print("stop signal received: stopping after this step")
+            self.accelerator.print("stop signal received: checkpointing and exiting")
         return self.stop.agreed
 
     def run_eval(self, epoch: int) -> dict[str, float]:
