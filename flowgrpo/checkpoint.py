@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .parallel import full_tensor, is_fsdp, is_sharded, load_optimizer, optimizer_state, shard_like
+from .parallel import any_process, full_tensor, is_fsdp, is_sharded, load_optimizer, optimizer_state, shard_like
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "epoch-"
@@ -206,7 +206,7 @@ def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None)
             tmp.mkdir(parents=True)
         except OSError as err:  # disk full, permissions: every process raises, none waits in a collective
             failure = err
-    if _any_failed(acc, failure):
+    if any_process(acc, failure is not None):
         _raise(failure, f"rank 0 could not create {tmp}; the previous checkpoints are intact")
     model = unwrap(trainer.adapter.transformer)
     try:
@@ -233,7 +233,7 @@ def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None)
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
         failure = err
-    if _any_failed(acc, failure):
+    if any_process(acc, failure is not None):
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         _raise(failure, f"another process failed to write its part of {final.name}; the previous ones are intact")
@@ -249,17 +249,9 @@ def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None)
             _prune(folder, trainer.config.checkpoint.keep_last, trainer.state.best_checkpoint)
         except OSError as err:
             failure = err
-    if _any_failed(acc, failure):
+    if any_process(acc, failure is not None):
         _raise(failure, f"rank 0 could not move {final.name} into place (rank 0's error says why)")
     return final
-
-
-def _any_failed(acc: Any, failure: BaseException | None) -> bool:
-    """Whether any process failed; every process learns it (the gather is also the barrier), so all stop alike."""
-    failed = torch.tensor([0.0 if failure is None else 1.0], device=acc.device)
-    if acc.num_processes > 1:
-        failed = acc.gather(failed)
-    return bool(failed.max().item() > 0)
 
 
 def _raise(failure: BaseException | None, elsewhere: str) -> None:

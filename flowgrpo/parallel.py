@@ -156,6 +156,15 @@ def engine(acc: Accelerator) -> Any:
     return acc.deepspeed_engine_wrapped.engine
 
 
+def any_process(acc: Accelerator, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process; every process gets the same answer (a collective), so all take
+    the same branch afterwards."""
+    flags = torch.tensor([1.0 if flag else 0.0], device=acc.device)
+    if acc.num_processes > 1:
+        flags = acc.gather(flags)
+    return bool(flags.max().item() > 0)
+
+
 def zero_loss(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """A loss of exactly 0 that reaches every trainable parameter: lets a collective backward happen without
     contributing gradient (DeepSpeed reduces and steps inside the backward that ends an accumulation cycle)."""

@@ -45,7 +45,16 @@ from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
 from .loss import grpo_loss
-from .parallel import check_launch, cpu_launch_kwargs, full_tensor, is_deepspeed, is_fsdp, zero_loss, zeroed
+from .parallel import (
+    any_process,
+    check_launch,
+    cpu_launch_kwargs,
+    full_tensor,
+    is_deepspeed,
+    is_fsdp,
+    zero_loss,
+    zeroed,
+)
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
 
 GRID_IMAGES = 64  # evaluation images gathered for the report's grid (scores are gathered for every prompt)
@@ -395,13 +404,12 @@ class GRPOTrainer:
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss is finite on every process (all skip a step together, or none does)."""
-        flag = torch.isfinite(loss.detach()).reshape(1).float()
-        return bool(self.accelerator.gather(flag).min().item() == 1.0)
+        return not any_process(self.accelerator, not bool(torch.isfinite(loss.detach())))
 
     def _agree_to_stop(self) -> bool:
         """Whether any process got SIGTERM/SIGINT; every process agrees, so all stop after the same step."""
         before = self.stop.agreed
-        if self.stop.agree(self.accelerator.gather, self.accelerator.device) and not before:
+        if self.stop.agree(lambda received: any_process(self.accelerator, received)) and not before:
             self.accelerator.print("stop signal received: checkpointing and exiting")
         return self.stop.agreed
 
@@ -524,10 +532,9 @@ class StopRequest:
         # SIGTERM never escalates: schedulers and launchers may each deliver it, and they SIGKILL after a grace.
         return signum == signal.SIGINT and now - self.first_signal_at >= self.interrupt_again_after_s
 
-    def agree(self, gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> bool:
-        """All-gather whether any process has received a signal; the same answer on every process."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        self.agreed = self.agreed or bool(gather(flag).max().item() > 0)
+    def agree(self, any_process: Callable[[bool], bool]) -> bool:
+        """Whether any process has received a signal (``any_process``: a collective); the same answer everywhere."""
+        self.agreed = self.agreed or any_process(self.received)
         return self.agreed
 
 

@@ -257,9 +257,9 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     assert f"resumed from {ckpt}" in resumed.stdout
 
 
-def _gather_two(other: float):
-    """An all-gather over this process and one other whose flag is ``other``."""
-    return lambda flag: torch.cat([flag, torch.tensor([other])])
+def _with_one_other(other: bool):
+    """``any_process`` over this process and one other whose flag is ``other``."""
+    return lambda mine: mine or other
 
 
 def test_a_signal_that_lands_during_the_stop_agreement_stops_at_the_next_one():
@@ -267,16 +267,16 @@ def test_a_signal_that_lands_during_the_stop_agreement_stops_at_the_next_one():
     # flags were read): no one stops at this step, but the request is kept, and all stop after the next one.
     stop = StopRequest()
 
-    def signalled_mid_gather(flag):
+    def signalled_mid_gather(mine):
         stop.on_signal(signal.SIGTERM)
-        return _gather_two(0.0)(flag)
+        return _with_one_other(False)(mine)
 
-    assert stop.agree(signalled_mid_gather, "cpu") is False and stop.received
-    assert stop.agree(_gather_two(0.0), "cpu") is True
-    assert stop.agree(lambda flag: torch.zeros(2), "cpu") is True  # once agreed, it stays set
+    assert stop.agree(signalled_mid_gather) is False and stop.received
+    assert stop.agree(_with_one_other(False)) is True
+    assert stop.agree(lambda mine: False) is True  # once agreed, it stays set
 
     # Another process's signal stops this one too.
-    assert StopRequest().agree(_gather_two(1.0), "cpu") is True
+    assert StopRequest().agree(_with_one_other(True)) is True
 
 
 def test_repeated_signals_stop_at_once_only_for_a_later_second_ctrl_c():
