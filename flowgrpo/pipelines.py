@@ -3,8 +3,10 @@
     pipe = load_pipeline("stabilityai/stable-diffusion-3.5-medium", dtype="bf16", device="cuda")
     pipe = load_pipeline("/models/flux-dev")      # kind read from model_index.json
     pipe = load_pipeline("tiny-sd3", dtype="fp32")  # random tiny weights, no files (see flowgrpo.tiny)
+    pipe = load_pipeline("shapes-sd3", dtype="fp32")  # the pretrained shapes model shipped in the package
 
-The special names ``"tiny-sd3"`` / ``"tiny-flux"`` win over a local directory of the same name.
+The special names ``"tiny-sd3"`` / ``"tiny-flux"`` / ``"shapes-sd3"`` win over a local directory of the same name.
+A component that ``model_index.json`` lists as ``[null, null]`` (an SD3 saved without T5) loads as ``None``.
 Every ``torch.nn.Module`` component comes back in eval mode (training code turns on what it trains).
 """
 
@@ -33,6 +35,8 @@ KIND_BY_CLASS_NAME: dict[str, str] = {cls.__name__: kind for kind, cls in PIPELI
 TINY_SOURCES: dict[str, str] = {
     "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-sd3-taesd": "sd3", "tiny-flux-taesd": "flux",
 }  # fmt: skip
+# Pretrained pipelines shipped inside the package (no download): name -> directory.
+SHIPPED_MODELS: dict[str, Path] = {"shapes-sd3": Path(__file__).parent / "assets" / "shapes-sd3"}
 
 # Recent diffusers renamed from_pretrained's `torch_dtype` to `dtype` (the old name warns); older ones
 # (pyproject admits >= 0.32) know only `torch_dtype`.
@@ -117,8 +121,20 @@ def _not_found_message(source: str, err: BaseException) -> str:
     )
 
 
+def resolve_source(source: str) -> str:
+    """A shipped model's name -> its directory; anything else unchanged."""
+    return str(SHIPPED_MODELS[source]) if source in SHIPPED_MODELS else source
+
+
+def _absent_components(index: dict[str, Any]) -> dict[str, None]:
+    """Components saved as ``[null, null]`` (e.g. SD3's T5 left out): diffusers loads them only when passed."""
+    return {name: None for name, value in index.items()
+            if not name.startswith("_") and isinstance(value, list) and value == [None, None]}  # fmt: skip
+
+
 def _detect(source: str) -> tuple[str | None, str | None]:
     """(kind or None if unknown, pipeline class name) of a source."""
+    source = resolve_source(source)
     if source in TINY_SOURCES:
         return TINY_SOURCES[source], PIPELINE_CLASSES[TINY_SOURCES[source]].__name__
     class_name = read_model_index(source).get("_class_name")
@@ -166,8 +182,10 @@ def load_pipeline(
         vae = "tiny" if source.endswith("-taesd") else "kl"
         pipe = build_tiny_pipeline(kind, seed=0, dtype=torch_dtype, vae=vae)  # type: ignore[arg-type]
     else:
+        source = resolve_source(source)
+        absent = _absent_components(read_model_index(source))
         try:
-            pipe = PIPELINE_CLASSES[kind].from_pretrained(source, **{_DTYPE_KWARG: torch_dtype})
+            pipe = PIPELINE_CLASSES[kind].from_pretrained(source, **absent, **{_DTYPE_KWARG: torch_dtype})
         except OSError as err:  # e.g. model_index.json present but a weight file missing
             raise PipelineLoadError(_not_found_message(source, err)) from None
     pipe.to(device)
@@ -186,4 +204,5 @@ __all__ = [
     "parse_dtype",
     "pipeline_kind",
     "read_model_index",
+    "resolve_source",
 ]

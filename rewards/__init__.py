@@ -8,7 +8,7 @@
 Heavy modules (open_clip, transformers, rapidocr) are imported when a reward is built, not here.
 """
 
-from . import brightness, clip_models, jpeg, ocr, remote  # noqa: F401  (register the built-in rewards)
+from . import brightness, clip_models, jpeg, ocr, remote, shapes  # noqa: F401  (register the built-in rewards)
 from .async_ import AsyncReward
 from .base import BaseReward, ModelReward, Reward, RewardError, check_inputs
 from .brightness import Brightness
@@ -19,11 +19,13 @@ from .nan_policy import NAN_POLICIES, NonFiniteRewardError, apply_nan_policy
 from .ocr import OcrReward, edit_distance, ocr_score, quoted_text
 from .registry import REWARDS, available_rewards, build_reward, register_reward, resolve_reward
 from .remote import RemoteReward, RemoteRewardError, make_reward_server
+from .shapes import PromptGrammarError, ShapesReward
 
 __all__ = [
     "Aesthetic", "AestheticMLP", "AsyncReward", "BaseReward", "Brightness", "ClipScore", "CombinedReward", "HPSv2",
     "JpegCompressibility", "JpegIncompressibility", "ModelReward", "NAN_POLICIES", "NonFiniteRewardError",
-    "OcrReward", "PickScore", "REWARDS", "RemoteReward", "RemoteRewardError", "Reward", "RewardEntry",
-    "RewardError", "apply_nan_policy", "available_rewards", "build_reward", "check_inputs", "edit_distance",
-    "make_reward_server", "ocr_score", "quoted_text", "register_reward", "resolve_reward",
+    "OcrReward", "PickScore", "PromptGrammarError", "REWARDS", "RemoteReward", "RemoteRewardError", "Reward",
+    "RewardEntry", "RewardError", "ShapesReward", "apply_nan_policy", "available_rewards", "build_reward",
+    "check_inputs", "edit_distance", "make_reward_server", "ocr_score", "quoted_text", "register_reward",
+    "resolve_reward",
 ]

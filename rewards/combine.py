@@ -54,6 +54,14 @@ class CombinedReward:
     def rewards(self) -> dict[str, Reward]:
         return {e.key: e.reward for e in self.entries}
 
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        """Let each reward that can tell (``reward.check_prompts``, e.g. a task grammar) refuse prompts before any
+        work; raises its ``ValueError`` naming the prompt."""
+        for e in self.entries:
+            check = getattr(e.reward, "check_prompts", None)
+            if callable(check):
+                check(list(prompts))
+
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Metadata | None = None
     ) -> dict[str, Tensor]:

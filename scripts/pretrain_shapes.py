@@ -1,0 +1,237 @@
+"""Pretrain the shapes model (``flowgrpo.shapes_model``) with the rectified-flow loss, on the CPU, from a seed.
+
+    python scripts/pretrain_shapes.py     # work in runs/pretrain-shapes/, result in flowgrpo/assets/shapes-sd3
+    python scripts/pretrain_shapes.py --steps 200 --work /tmp/p --out /tmp/model   # a short try
+
+Each step renders a fresh batch of train-split scenes (``flowgrpo.shapes``; test prompts are never seen),
+draws t from a logit-normal (SD3's), and regresses the transformer's velocity on ``eps - x0``; the two CLIP
+text encoders train with it. 10% of captions are dropped to "" so classifier-free guidance works. AdamW
+with linear warm-up and cosine decay; an EMA of the weights (0.999, warmed up as
+``min(0.999, (1 + step) / (10 + step))``) is what gets shipped.
+
+Everything a step draws comes from ``(seed, step)``, so a run interrupted and resumed from its last
+checkpoint (``<work>/checkpoint/``, written atomically every ``--checkpoint-every`` steps; rerun the same
+command) ends with the same weights as an uninterrupted one, on the same CPU kind and thread count. Every
+``--eval-every`` steps the EMA model samples the held-out prompts (ODE, fixed noise) and the shapes
+verifier scores them: ``<work>/eval.jsonl`` records accuracy against wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flowgrpo.shapes import balanced_prompts, render, sample_scene, split  # noqa: E402
+from flowgrpo.shapes_model import SHAPES_MODEL_DIR, TEXT_LENGTH, build_shapes_pipeline, pixels_to_latents  # noqa: E402
+from rewards.shapes import TAGS, ShapesReward  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1800, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--caption-dropout", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (results depend on it in the last bits)")
+    p.add_argument("--work", type=Path, default=Path("runs/pretrain-shapes"), help="checkpoint and logs")
+    p.add_argument("--out", type=Path, default=SHAPES_MODEL_DIR, help="where the final pipeline is written")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=300)
+    p.add_argument("--eval-per-tag", type=int, default=16, help="held-out prompts per tag at each evaluation")
+    p.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale of the evaluations")
+    p.add_argument("--eval-steps", type=int, default=20)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "warmup", "threads", "checkpoint_every", "eval_every", "eval_per_tag"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.ema < 1 or not 0 <= args.caption_dropout < 1 or not args.lr > 0:
+        p.error("--ema and --caption-dropout must lie in [0, 1), --lr must be > 0")
+    return args
+
+
+def training_batch(
+    train_specs: list, rng: np.random.Generator, size: int, dropout: float
+) -> tuple[torch.Tensor, list[str]]:
+    """(latents [B, 3, 32, 32], prompts): tags drawn uniformly, then a train prompt of the tag, then a layout."""
+    by_tag = {tag: [s for s in train_specs if s.tag == tag] for tag in TAGS}
+    images, prompts = [], []
+    for _ in range(size):
+        pool = by_tag[TAGS[int(rng.integers(len(TAGS)))]]
+        spec = pool[int(rng.integers(len(pool)))]
+        images.append(render(sample_scene(spec, rng)))
+        prompts.append("" if rng.random() < dropout else spec.prompt)
+    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+    return pixels_to_latents(pixels), prompts
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def trainable(pipe) -> dict[str, torch.nn.Module]:
+    return {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
+
+
+def flat_state(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return {
+        f"{m}.{k}": v.detach().clone().contiguous() for m, mod in modules.items() for k, v in mod.state_dict().items()
+    }
+
+
+def load_flat_state(modules: dict[str, torch.nn.Module], state: dict[str, torch.Tensor]) -> None:
+    for m, mod in modules.items():
+        mod.load_state_dict({k[len(m) + 1 :]: v for k, v in state.items() if k.startswith(m + ".")})
+
+
+def save_checkpoint(work: Path, step: int, pipe, ema: dict[str, torch.Tensor], optimizer, elapsed: float) -> None:
+    """``<work>/checkpoint/``: weights, EMA, optimizer (plain tensors: loads with weights_only), step; atomic."""
+    tmp = work / "checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(flat_state(trainable(pipe)), tmp / "model.safetensors")
+    save_file(ema, tmp / "ema.safetensors")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
+    final = work / "checkpoint"
+    old = work / "checkpoint.old"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def evaluate(pipe, ema: dict[str, torch.Tensor], specs: list, args: argparse.Namespace) -> dict[str, float]:
+    """Held-out accuracy of the EMA weights: ODE sampling with CFG, noise fixed per prompt index."""
+    scored = copy.deepcopy(pipe)
+    load_flat_state(trainable(scored), ema)
+    prompts = [s.prompt for s in specs]
+    generator = torch.Generator().manual_seed(12345)
+    latents = torch.randn(len(prompts), 3, 32, 32, generator=generator)
+    images = []
+    for i in range(0, len(prompts), 64):
+        images.append(scored(prompts[i : i + 64], latents=latents[i : i + 64], num_inference_steps=args.eval_steps,
+                             guidance_scale=args.guidance_scale, max_sequence_length=TEXT_LENGTH,
+                             output_type="pt").images)  # fmt: skip
+    scores = ShapesReward()(torch.cat(images), prompts)
+    result = {
+        "exact": scores["accuracy/exact"].mean().item(),
+        "color_count": scores["accuracy/color_count"].mean().item(),
+        "partial": scores["total"].mean().item(),
+    }
+    for tag in TAGS:
+        mask = torch.tensor([s.tag == tag for s in specs])
+        result[f"exact/{tag}"] = scores["accuracy/exact"][mask].mean().item()
+    return result
+
+
+def export(pipe, ema: dict[str, torch.Tensor], out: Path, args: argparse.Namespace, log: dict) -> None:
+    final = copy.deepcopy(pipe)
+    load_flat_state(trainable(final), ema)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    final.save_pretrained(tmp, safe_serialization=True)
+    record = {"command": "python scripts/pretrain_shapes.py " + " ".join(sys.argv[1:]),
+              "args": {k: str(v) for k, v in vars(args).items()}, **log}  # fmt: skip
+    (tmp / "pretraining.json").write_text(json.dumps(record, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    train_specs, test_specs = split()
+    eval_specs = balanced_prompts(test_specs, args.eval_per_tag, seed=args.seed)
+    pipe = build_shapes_pipeline(args.seed)
+    modules = trainable(pipe)
+    params = [p for m in modules.values() for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
+    ema = flat_state(modules)
+    start, elapsed = 0, 0.0
+    checkpoint = args.work / "checkpoint"
+    if (checkpoint / "state.json").is_file():
+        state = json.loads((checkpoint / "state.json").read_text())
+        load_flat_state(modules, load_file(checkpoint / "model.safetensors"))
+        ema = load_file(checkpoint / "ema.safetensors")
+        optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+        start, elapsed = state["step"], state["elapsed_s"]
+        print(f"resuming from {checkpoint} at step {start}")
+    for m in modules.values():
+        m.train()
+    ema_keys = [k for k in ema if ema[k].is_floating_point()]
+    log_file = args.work / "eval.jsonl"
+    if log_file.is_file():  # rows written after the checkpoint we resume from are redone
+        rows = [line for line in log_file.read_text().splitlines() if json.loads(line)["step"] <= start]
+        log_file.write_text("".join(row + "\n" for row in rows))
+    t0 = time.time() - elapsed
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="pretraining", dynamic_ncols=True)
+    for step in bar:
+        rng = np.random.default_rng([args.seed, step])
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        x0, prompts = training_batch(train_specs, rng, args.batch_size, args.caption_dropout)
+        t = torch.sigmoid(torch.randn(args.batch_size, generator=generator))  # logit-normal(0, 1)
+        noise = torch.randn(x0.shape, generator=generator)
+        xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
+        embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                  max_sequence_length=TEXT_LENGTH)  # fmt: skip
+        v = pipe.transformer(hidden_states=xt, timestep=t * 1000, encoder_hidden_states=embeds,
+                             pooled_projections=pooled, return_dict=False)[0]  # fmt: skip
+        loss = torch.nn.functional.mse_loss(v, noise - x0)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            current = {f"{m}.{k}": v for m, mod in modules.items() for k, v in mod.state_dict().items()}
+            decay = min(args.ema, (1 + step) / (10 + step))  # warm-up: the random init fades out quickly
+            for k in ema_keys:
+                ema[k].lerp_(current[k], 1 - decay)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            for m in modules.values():
+                m.eval()
+            result = evaluate(pipe, ema, eval_specs, args)
+            for m in modules.values():
+                m.train()
+            row = {"step": done, "minutes": (time.time() - t0) / 60, "loss": loss.item(), **result}
+            with log_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            tqdm.write(f"step {done} ({row['minutes']:.1f} min): held-out exact {result['exact']:.3f} "
+                       f"colour+count {result['color_count']:.3f} partial {result['partial']:.3f}")  # fmt: skip
+        if done % args.checkpoint_every == 0 or done == args.steps:
+            save_checkpoint(args.work, done, pipe, ema, optimizer, time.time() - t0)
+    for m in modules.values():
+        m.eval()
+    rows = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.is_file() else []
+    export(pipe, ema, args.out, args, {"minutes": (time.time() - t0) / 60, "eval": rows})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""The shapes task: grammar, held-out split, renders, the verifier reward, and the identity VAE / tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.ndimage import gaussian_filter
+
+from flowgrpo.shapes import PlacedObject, all_specs, render, render_prompt, sample_scene, split
+from flowgrpo.shapes_model import identity_vae, pixels_to_latents, shapes_tokenizer
+from rewards import build_reward
+from rewards.shapes import TAGS, PromptGrammarError, ShapesReward, detect_objects, judge, parse_prompt
+
+
+def _blur(image: np.ndarray, sigma: float) -> np.ndarray:
+    return image if sigma == 0 else np.stack([gaussian_filter(image[..., c], sigma) for c in range(3)], -1)
+
+
+def test_every_prompt_parses_back_to_its_spec_and_the_tags_have_the_documented_sizes():
+    specs = all_specs()
+    assert [parse_prompt(s.prompt) for s in specs] == specs
+    sizes = {tag: sum(s.tag == tag for s in specs) for tag in TAGS}
+    assert sizes == {"single_object": 3, "colors": 12, "counting": 24, "two_object": 6, "color_attr": 72,
+                     "position": 432}  # fmt: skip
+    assert len({s.prompt for s in specs}) == len(specs)
+
+
+@pytest.mark.parametrize("prompt", ["a purple circle", "a red circles", "two circles", "three red circle",
+                                    "a red circle and a square", "a red circle left of a red square",
+                                    "draw a red circle", ""])  # fmt: skip
+def test_prompts_outside_the_grammar_are_refused_by_name(prompt):
+    with pytest.raises(PromptGrammarError, match="shapes: "):
+        parse_prompt(prompt)
+
+
+def test_the_split_holds_out_whole_prompts_of_every_tag():
+    train, test = split()
+    assert not {s.prompt for s in train} & {s.prompt for s in test}
+    assert len(train) + len(test) == len(all_specs())
+    for tag in TAGS:
+        assert any(s.tag == tag for s in train) and any(s.tag == tag for s in test), tag
+    assert 0.2 < len(test) / len(all_specs()) < 0.35
+    assert split() == (train, test)  # a hash, not a random draw
+
+
+def test_renders_are_deterministic_in_the_seed_and_anti_aliased():
+    a = render_prompt("a red square and a green circle", np.random.default_rng(3))
+    b = render_prompt("a red square and a green circle", np.random.default_rng(3))
+    assert np.array_equal(a, b) and a.shape == (32, 32, 3)
+    levels = np.unique(a.reshape(-1, 3), axis=0)
+    assert len(levels) > 3  # edge pixels mix the colour with white
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.5, 0.7])
+def test_the_verifier_accepts_rendered_ground_truth_sharp_and_blurred(sigma):
+    rng = np.random.default_rng(0)
+    specs = all_specs()
+    verdicts = []
+    for _ in range(300):
+        spec = specs[int(rng.integers(len(specs)))]
+        verdicts.append(judge(spec, detect_objects(_blur(render(sample_scene(spec, rng)), sigma))))
+    assert np.mean([v.exact for v in verdicts]) == 1.0
+    assert np.mean([v.color_count for v in verdicts]) == 1.0
+    assert np.mean([v.partial for v in verdicts]) == 1.0
+
+
+def test_the_verifier_rejects_noise_and_wrong_renders():
+    rng = np.random.default_rng(1)
+    specs = all_specs()
+    noise = [judge(specs[i], detect_objects(rng.random((32, 32, 3)).astype(np.float32))) for i in range(0, 549, 5)]
+    assert max(v.partial for v in noise) < 0.2 and not any(v.exact for v in noise)
+    # wrong colour: every object repainted with another palette colour
+    spec = parse_prompt("a red square and a green circle")
+    objects = sample_scene(spec, rng)
+    swapped = [PlacedObject(o.shape, {"red": "blue", "green": "yellow"}[o.color], o.x, o.y) for o in objects]
+    verdict = judge(spec, detect_objects(render(swapped)))
+    assert not verdict.exact and not verdict.color_count and verdict.partial == 0.0
+    # colours swapped between the shapes: colour+count holds, binding does not
+    bound = [PlacedObject(o.shape, {"red": "green", "green": "red"}[o.color], o.x, o.y) for o in objects]
+    verdict = judge(spec, detect_objects(render(bound)))
+    assert not verdict.exact and verdict.color_count
+    # wrong count: one of three objects missing
+    spec = parse_prompt("three blue circles")
+    verdict = judge(spec, detect_objects(render(sample_scene(spec, rng)[:2])))
+    assert not verdict.exact and not verdict.color_count and verdict.partial == pytest.approx(2 / 3)
+    # wrong relation: the same render judged against the opposite relation
+    spec = parse_prompt("a yellow circle left of a blue square")
+    image = render(sample_scene(spec, rng))
+    assert judge(spec, detect_objects(image)).exact
+    assert not judge(parse_prompt("a yellow circle right of a blue square"), detect_objects(image)).exact
+
+
+def test_shapes_reward_through_the_registry_reports_partial_credit_and_accuracies():
+    reward = build_reward({"shapes": 1.0})
+    rng = np.random.default_rng(2)
+    prompts = ["a red circle", "two green triangles", "a circle and a square", "a blue square above a red circle"]
+    images = torch.from_numpy(np.stack([render_prompt(p, rng) for p in prompts])).permute(0, 3, 1, 2)
+    images[-1] = 1.0  # a blank image fails
+    scores = reward(images, prompts)
+    assert set(scores) == {"shapes", "shapes/accuracy/exact", "shapes/accuracy/color_count", "total"}
+    assert scores["shapes/accuracy/exact"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert scores["total"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    with pytest.raises(PromptGrammarError, match="'a photo of a cat'"):
+        ShapesReward().check_prompts(["a red circle", "a photo of a cat"])
+
+
+def test_identity_vae_round_trips_pixels_and_the_tokenizer_keeps_words_whole():
+    vae = identity_vae()
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(vae.decode(pixels_to_latents(images)).sample, images * 2 - 1, atol=1e-6)
+        assert torch.allclose(vae.encode(images * 2 - 1).latents, images * 2 - 1, atol=1e-6)
+    tokenizer = shapes_tokenizer()
+    words = sorted({w for s in all_specs() for w in s.prompt.split()})
+    for word in words:
+        assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, word
+    longest = max((s.prompt for s in all_specs()), key=lambda p: len(tokenizer(p).input_ids))
+    assert len(tokenizer(longest).input_ids) <= tokenizer.model_max_length
