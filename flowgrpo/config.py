@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class ModelConfig:
     attention: str = "sdpa"  # sdpa | xformers (CUDA only)
     gradient_checkpointing: bool = False
     negative_prompt: str = ""  # for CFG (SD3)
+    max_sequence_length: int | None = None  # T5 tokens (null: the family's default, SD3 256, FLUX 512; shapes-sd3: 16)
 
 
 @dataclass
@@ -125,7 +127,7 @@ class AdvantageConfig:
     """``grpo.advantage:`` A = (R - mean_group) / (std + 1e-4), clipped."""
 
     std: str = "group"  # group | global (std over all rewards of the epoch)
-    clip: float = 5.0
+    clip: float = 5.0  # > 0: advantages are clipped to ±clip
     per_reward: bool = False  # MixGRPO: advantages per reward, summed with the reward weights
 
 
@@ -175,7 +177,7 @@ class EvalConfig:
     num_steps: int = 40
     guidance_scale: float = 4.5
     batch_size: int = 8
-    max_prompts: int | None = None
+    max_prompts: int | None = None  # evaluate the first N test prompts (>= 1); null: all of them
 
 
 @dataclass
@@ -241,12 +243,18 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float's range
+            number = math.inf
+        if not math.isfinite(number):  # NaN would pass every range check (all its comparisons are False)
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+        return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
@@ -301,14 +309,22 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value (for example train.lr=1e-4)")
         key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override '{item}': '{key}' is not a key; write key.sub=value (e.g. train.lr=1e-4)")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         node = nested
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):  # e.g. "train=5 train.lr=1": a value where a section is needed
+                section = ".".join(parts[: depth + 1])
+                raise ConfigError(
+                    f"override '{item}' conflicts with '{section}={node!r}' given before it: {section} is a "
+                    f"section of keys; drop the '{section}=' override"
+                )
         node[parts[-1]] = value
     return nested
 
@@ -318,12 +334,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; pass a YAML file (see configs/ for presets)")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist (see configs/ for presets)")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        except (OSError, UnicodeDecodeError) as err:  # unreadable, or not text
+            raise ConfigError(f"config file {path} cannot be read as UTF-8 text: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     data = _merge(data, parse_overrides(overrides or []))
@@ -355,33 +375,7 @@ def validate(config: Config, world_size: int = 1) -> None:
     _one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
     _one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
     _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
-    positive = {
-        "model.resolution": config.model.resolution, "model.lora.rank": config.model.lora.rank,
-        "sampler.batch_size": s.batch_size, "grpo.groups_per_epoch": g.groups_per_epoch,
-        "train.batch_size": t.batch_size, "train.gradient_accumulation": t.gradient_accumulation,
-        "train.inner_epochs": t.inner_epochs, "run.epochs": config.run.epochs,
-        "eval.num_steps": config.eval.num_steps, "eval.batch_size": config.eval.batch_size,
-    }  # fmt: skip
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if s.num_steps < 2:
-        raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is always ODE), got {s.num_steps}")
-    if s.noise_level < 0 or (s.kind == "cps" and s.noise_level > 1):
-        raise ConfigError(f"sampler.noise_level must be >= 0 (<= 1 for cps), got {s.noise_level}")
-    if s.window.size > s.num_steps - 1 or s.window.size < 0:
-        raise ConfigError(
-            f"sampler.window.size={s.window.size} does not fit sampler.num_steps={s.num_steps}: at most "
-            f"{s.num_steps - 1} steps can be trained (the last is always ODE); set window.size <= {s.num_steps - 1}"
-        )
-    if not 0 < s.post_window.ratio <= 1:
-        raise ConfigError(f"sampler.post_window.ratio must lie in (0, 1], got {s.post_window.ratio}")
-    if g.group_size < 2:
-        raise ConfigError(f"grpo.group_size must be >= 2 (advantages compare images of one prompt), got {g.group_size}")
-    if g.clip_range <= 0 or g.kl.beta < 0 or t.lr <= 0:
-        raise ConfigError("grpo.clip_range and train.lr must be > 0 and grpo.kl.beta >= 0")
-    if not 0 <= t.ema < 1:
-        raise ConfigError(f"train.ema must lie in [0, 1), got {t.ema}")
+    _check_ranges(config)
     total = g.group_size * g.groups_per_epoch
     per_round = s.batch_size * world_size
     if total % per_round:
@@ -403,17 +397,86 @@ def validate(config: Config, world_size: int = 1) -> None:
             f"process trains per epoch ({local} samples / train.batch_size {t.batch_size} × train.inner_epochs "
             f"{t.inner_epochs}), or the last optimizer step of an epoch would be incomplete"
         )
-    at_least = {
-        "run.log_every": (config.run.log_every, 1), "checkpoint.keep_last": (config.checkpoint.keep_last, 1),
-        "run.max_nonfinite_steps": (config.run.max_nonfinite_steps, 1), "eval.every": (config.eval.every, 0),
-        "checkpoint.every": (config.checkpoint.every, 0), "run.image_grid_every": (config.run.image_grid_every, 0),
-    }  # fmt: skip
-    for key, (value, low) in at_least.items():
-        if value < low:
-            raise ConfigError(f"{key} must be >= {low}, got {value}")
-    if not t.max_grad_norm > 0:
-        raise ConfigError(f"train.max_grad_norm must be > 0 (gradient-norm clipping), got {t.max_grad_norm}")
-    if not s.kappa > 0:
-        raise ConfigError(f"sampler.kappa must be > 0 (Langevin's step cap, κ·t_next), got {s.kappa}")
     if config.model.resolution % 16:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
+
+
+def _check_range(
+    key: str,
+    value: float | None,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    why: str = "",
+) -> None:
+    """``value`` (None: unset, allowed) must lie in the interval; open ends exclude the bound."""
+    if value is None:
+        return
+    ok = (low is None or (value > low if low_open else value >= low)) and (
+        high is None or (value < high if high_open else value <= high)
+    )
+    if ok:
+        return
+    if high is None:
+        bound = f"> {low}" if low_open else f">= {low}"
+    else:
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        bound = f"lie in {left}{low}, {high}{right}"
+    raise ConfigError(f"{key} must {'' if high is not None else 'be '}{bound}{f' ({why})' if why else ''}, got {value}")
+
+
+def _check_ranges(config: Config) -> None:
+    """The range of every numeric field (NaN and inf are already refused while the config is built)."""
+    r, m, s, g, t, e = config.run, config.model, config.sampler, config.grpo, config.train, config.eval
+    w = s.window
+    _check_range("run.seed", r.seed, 0, 2**32 - 1, why="numpy's seed range")
+    at_least_one = {
+        "run.epochs": r.epochs, "run.log_every": r.log_every, "run.max_nonfinite_steps": r.max_nonfinite_steps,
+        "model.resolution": m.resolution, "model.lora.rank": m.lora.rank, "sampler.batch_size": s.batch_size,
+        "sampler.window.shift_interval": w.shift_interval, "sampler.window.stride": w.stride,
+        "grpo.groups_per_epoch": g.groups_per_epoch, "train.batch_size": t.batch_size,
+        "train.gradient_accumulation": t.gradient_accumulation, "train.inner_epochs": t.inner_epochs,
+        "eval.num_steps": e.num_steps, "eval.batch_size": e.batch_size,
+        "checkpoint.keep_last": config.checkpoint.keep_last,
+    }  # fmt: skip
+    non_negative = {
+        "run.image_grid_every": r.image_grid_every, "eval.every": e.every, "checkpoint.every": config.checkpoint.every,
+        "sampler.window.decay_threshold": w.decay_threshold, "sampler.window.decay_rate": w.decay_rate,
+        "sampler.guidance_scale": s.guidance_scale, "eval.guidance_scale": e.guidance_scale,
+        "grpo.kl.beta": g.kl.beta, "train.weight_decay": t.weight_decay,
+    }  # fmt: skip
+    for key, value in at_least_one.items():
+        _check_range(key, value, 1)
+    for key, value in non_negative.items():
+        _check_range(key, value, 0)
+    _check_range("eval.max_prompts", e.max_prompts, 1, why="null evaluates every test prompt")
+    _check_range("model.lora.alpha", m.lora.alpha, 0, low_open=True)
+    _check_range("model.lora.dropout", m.lora.dropout, 0, 1, high_open=True)
+    if s.num_steps < 2:
+        raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is always ODE), got {s.num_steps}")
+    if s.noise_level < 0 or (s.kind == "cps" and s.noise_level > 1):
+        raise ConfigError(f"sampler.noise_level must be >= 0 (<= 1 for cps), got {s.noise_level}")
+    _check_range("sampler.kappa", s.kappa, 0, low_open=True, why="Langevin's step cap, κ·t_next")
+    if w.size > s.num_steps - 1 or w.size < 0:
+        raise ConfigError(
+            f"sampler.window.size={w.size} does not fit sampler.num_steps={s.num_steps}: at most "
+            f"{s.num_steps - 1} steps can be trained (the last is always ODE); set window.size <= {s.num_steps - 1}"
+        )
+    # The window's last possible start: a window of `size` steps must end before the final (ODE) step.
+    last_start = s.num_steps - 1 - (w.size or s.num_steps - 1)
+    _check_range("sampler.window.max_start", w.max_start, 0, last_start, why="the window ends before the last step")
+    _check_range("sampler.post_window.ratio", s.post_window.ratio, 0, 1, low_open=True)
+    if g.group_size < 2:
+        raise ConfigError(f"grpo.group_size must be >= 2 (advantages compare images of one prompt), got {g.group_size}")
+    _check_range("grpo.advantage.clip", g.advantage.clip, 0, low_open=True, why="advantages are clipped to ±clip")
+    _check_range("grpo.clip_range", g.clip_range, 0, 1, low_open=True, high_open=True, why="ratios clip to 1 ± ε")
+    _check_range("train.lr", t.lr, 0, low_open=True)
+    _check_range("train.eps", t.eps, 0, low_open=True)
+    _check_range("train.max_grad_norm", t.max_grad_norm, 0, low_open=True, why="gradient-norm clipping")
+    _check_range("train.ema", t.ema, 0, 1, high_open=True)
+    if len(t.betas) != 2:
+        raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")
+    for i, beta in enumerate(t.betas):
+        _check_range(f"train.betas[{i}]", beta, 0, 1, high_open=True)

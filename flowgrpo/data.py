@@ -29,28 +29,46 @@ class PromptDataset:
     def from_file(cls, path: str | Path, key: str = "data.train") -> PromptDataset:
         """``.txt``: one prompt a line (blank lines skipped); ``.jsonl``: ``{"prompt": ..., **metadata}``."""
         path = Path(path)
-        if not path.is_file():
-            raise DataError(f"{key}: prompt file {path} does not exist; point {key} at a .txt or .jsonl file")
+        text = _read_prompt_file(path, key)
         prompts: list[str] = []
         metadata: list[dict[str, Any]] = []
         if path.suffix == ".jsonl":
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{key}: {path}:{number} is not valid JSON ({err.msg})") from None
+                except RecursionError:
+                    raise DataError(f"{key}: {path}:{number} is nested too deeply to be a prompt row") from None
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                     raise DataError(f'{key}: {path}:{number} needs a "prompt" string field')
                 prompts.append(row.pop("prompt"))
                 metadata.append(row)
         else:
-            prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            prompts = [line.strip() for line in text.splitlines() if line.strip()]
             metadata = [{} for _ in prompts]
         if not prompts:
             raise DataError(f"{key}: prompt file {path} holds no prompts")
         return cls(prompts, metadata, str(path))
+
+
+def _read_prompt_file(path: Path, key: str) -> str:
+    """The file's text; every failure is a ``DataError`` naming the config key and the file."""
+    fix = f"point {key} at a .txt or .jsonl file"
+    if path.is_dir():
+        raise DataError(f"{key}: {path} is a directory, not a prompt file; {fix}")
+    if not path.is_file():
+        raise DataError(f"{key}: prompt file {path} does not exist; {fix}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{key}: prompt file {path} is not UTF-8 text (byte {err.start}: {err.reason}); re-save it as UTF-8"
+        ) from None
+    except OSError as err:  # permissions, I/O errors
+        raise DataError(f"{key}: cannot read prompt file {path} ({err.strerror or err}); {fix}") from None
 
 
 @dataclass(frozen=True)
@@ -61,9 +79,7 @@ class EpochSample:
     group_id: int
 
 
-def epoch_plan(
-    num_prompts: int, group_size: int, groups_per_epoch: int, *, seed: int, epoch: int
-) -> list[EpochSample]:
+def epoch_plan(num_prompts: int, group_size: int, groups_per_epoch: int, *, seed: int, epoch: int) -> list[EpochSample]:
     """All ``group_size × groups_per_epoch`` slots of an epoch, shuffled; deterministic in (seed, epoch).
 
     Group ids are ``epoch × groups_per_epoch + g``, unique across epochs. Prompts are drawn without
