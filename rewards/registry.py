@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .base import Reward
+from .base import BaseReward, Reward
 from .combine import CombinedReward, RewardEntry
 from .nan_policy import check_nan_policy
 
@@ -76,24 +76,78 @@ def resolve_reward(name: str) -> Callable[..., Reward]:
 
 def _instantiate(name: str, options: dict[str, Any], device: str | torch.device) -> Reward:
     factory = resolve_reward(name)
+    if isinstance(factory, type) and not _callable_as_reward(factory):
+        raise ValueError(f"reward '{name}': {factory.__name__} is not a reward: {_NOT_A_REWARD}")
     try:
-        params = inspect.signature(factory).parameters
+        signature = inspect.signature(factory)
     except (TypeError, ValueError):  # builtins without a signature: pass options through
-        params = None
-    if params is not None:
-        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        if "device" in params or takes_kwargs:
-            options.setdefault("device", device)
-        accepted = [n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-        unknown = sorted(set(options) - set(accepted))
-        if unknown and not takes_kwargs:
-            raise ValueError(
-                f"reward '{name}': unknown option(s) {', '.join(unknown)}; accepted: {', '.join(accepted)}"
-            )
-    reward = factory(**options)
-    if not callable(reward):
-        raise ValueError(f"reward '{name}' built a {type(reward).__name__}, which is not callable")
+        signature = None
+    if signature is not None:
+        _check_options(name, signature, options, device)
+    try:
+        reward = factory(**options)
+    except TypeError as err:  # a constructor's own type check; the options matched its signature
+        raise ValueError(f"reward '{name}': building it with options {sorted(options)} failed: {err}") from err
+    if not callable(reward) or not _callable_as_reward(reward):
+        raise ValueError(f"reward '{name}' built a {type(reward).__name__}, which is not a reward: {_NOT_A_REWARD}")
     return reward
+
+
+_NOT_A_REWARD = (
+    "a reward is called as reward(images, prompts, metadata) and returns scores (subclass rewards.BaseReward and "
+    "implement score(), or give a factory that returns such an object)"
+)
+
+
+def _check_options(name: str, signature: inspect.Signature, options: dict[str, Any], device: Any) -> None:
+    """Options the factory does not accept, or required ones the config lacks, are config errors (not TypeErrors)."""
+    params = signature.parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "device" in params or takes_kwargs:
+        options.setdefault("device", device)
+    named = {n: p for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY)}
+    unknown = sorted(set(options) - set(named))
+    if unknown and not takes_kwargs:
+        raise ValueError(f"reward '{name}': unknown option(s) {', '.join(unknown)}; accepted: {', '.join(named)}")
+    required = [
+        n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    missing = [n for n in required if n not in options]
+    if missing:
+        example = ", ".join(f"{n}: ..." for n in missing)
+        raise ValueError(
+            f"reward '{name}' needs option(s) {', '.join(missing)}, which the config does not give: write "
+            f"rewards: [{{name: {name}, {example}}}]"
+        )
+
+
+def _callable_as_reward(target: Any) -> bool:
+    """Whether ``target`` (an instance, or a class for its instances) can be called with (images, prompts, metadata).
+
+    A torch module is called through ``forward``, whose signature ``__call__`` hides (``torch.nn.Linear`` takes
+    one input, so it is no reward although its instances are callable)."""
+    is_class = isinstance(target, type)
+    cls = target if is_class else type(target)
+    if isinstance(target, BaseReward) or (is_class and issubclass(target, BaseReward)):
+        return True
+    if issubclass(cls, torch.nn.Module):
+        function = cls.forward if is_class else target.forward
+    elif is_class:
+        if not any("__call__" in vars(k) for k in cls.__mro__):  # instances would not be callable
+            return False
+        function = cls.__call__
+    else:
+        function = target
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to check (builtins): trust it
+        return True
+    args = ("self", "images", "prompts", "metadata") if is_class else ("images", "prompts", "metadata")
+    try:
+        signature.bind(*args)
+    except TypeError:
+        return False
+    return True
 
 
 def _entries(spec: Any) -> list[dict[str, Any]]:

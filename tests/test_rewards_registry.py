@@ -141,6 +141,31 @@ def test_custom_module_class_loads_from_config(tmp_path, monkeypatch):
         build_reward({"no_such_pkg.mod:Cls": 1.0})
 
 
+def test_things_that_are_not_rewards_or_lack_options_are_config_errors(tmp_path, monkeypatch):
+    # Each of these raised a TypeError (a traceback from train.py) or built a module that crashed when scored.
+    (tmp_path / "my_threshold_reward.py").write_text(textwrap.dedent('''
+        class Threshold:
+            def __init__(self, threshold, device="cpu"):
+                self.threshold = threshold
+
+            def __call__(self, images, prompts, metadata=None):
+                return images.mean(dim=(1, 2, 3)) > self.threshold
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'my_threshold_reward:Threshold' needs option\(s\) threshold"):
+        build_reward({"my_threshold_reward:Threshold": 1.0})
+    built = build_reward({"my_threshold_reward:Threshold": {"threshold": 0.5}})
+    assert built(_images(), PROMPTS)["total"].shape == (4,)
+    with pytest.raises(ValueError, match=r"reward 'remote' needs option\(s\) url"):
+        build_reward({"remote": 1.0})
+    with pytest.raises(ValueError, match=r"reward 'json:dumps' needs option\(s\) obj"):
+        build_reward({"json:dumps": 1.0})
+    for spec in ({"torch.nn:Linear": 1.0}, {"torch.nn:Linear": {"in_features": 3, "out_features": 1}},
+                 {"json:JSONDecoder": 1.0}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"is not a reward: a reward is called as reward\(images, prompts"):
+            build_reward(spec)
+
+
 def test_config_errors_name_the_key_and_the_fix():
     with pytest.raises(ValueError, match=r"unknown reward 'ocrr'; registered: aesthetic, brightness, clip.*mean 'ocr'"):
         build_reward({"ocrr": 1.0})
