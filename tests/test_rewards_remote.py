@@ -1,14 +1,21 @@
 """Remote scoring over loopback: scripts/reward_server.py in a subprocess, and in-thread servers for error paths."""
 
+import base64
+import contextlib
+import io
 import json
 import os
 import re
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
+import zlib
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,8 +42,8 @@ def render(text: str, size=256, font_size=28) -> torch.Tensor:
 
 
 @contextmanager
-def serving(reward):
-    server = make_reward_server(reward, port=0)
+def serving(reward, **limits):
+    server = make_reward_server(reward, port=0, **limits)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -189,3 +196,176 @@ def test_nan_from_server_reaches_the_client_policy():
             build_reward([{"name": "remote", "url": url}])(torch.rand(2, 3, 8, 8), ["a", "b"])
         out = build_reward([{"name": "remote", "url": url}], nan_policy="drop")(torch.rand(2, 3, 8, 8), ["a", "b"])
     assert out["remote"][0] == 1.0 and torch.isnan(out["remote"][1])
+
+
+# ---------------------------------------------------------------------------- hostile requests and servers
+def _png(width: int, height: int) -> bytes:
+    """A valid PNG header claiming width × height pixels, with almost no image data: a decompression bomb's
+    opening (a real 9000 × 9000 PNG of zeros compresses to about 13 KB)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _npz_claiming(shape: tuple[int, ...]) -> bytes:
+    """An npz whose images.npy header claims ``shape`` (float32) but holds a few bytes."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("images.npy", header.getvalue() + b"\0" * 64)
+    return archive.getvalue()
+
+
+def _score_request(image_format: str, images, n: int = 1) -> bytes:
+    return json.dumps({"format": image_format, "images": images, "prompts": ["p"] * n}).encode()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _raw_http(port: int, request: bytes, wait: float = 20.0) -> tuple[int, str]:
+    """Send raw bytes; (status, body) of the reply, or (0, "") when the server closed without one."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return (int(head.split()[1]) if head else 0), body.decode("utf-8", "replace")
+
+
+def _post(body: bytes, length: str | None = None) -> bytes:
+    length = str(len(body)) if length is None else length
+    return f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode() + body
+
+
+def _zeros(images, prompts, metadata=None):
+    return {"s": torch.zeros(len(prompts))}
+
+
+BAD_REQUESTS = {  # name: (raw request, expected status, words of the error)
+    "9000x9000 png bombs": (_post(_score_request("png", [_b64(_png(9000, 9000))] * 2, 2)), 413, "pixels"),
+    "100000x100000 png bomb": (_post(_score_request("png", [_b64(_png(100_000, 100_000))])), 413, "pixels"),
+    "npz claiming 10^10 pixels": (_post(_score_request("npz", _b64(_npz_claiming((100, 3, 10_000, 10_000))))), 413,
+                                  "pixels"),
+    "bad zip": (_post(_score_request("npz", _b64(b"PK\x03\x04 not a zip"))), 400, "malformed request"),
+    "bad base64": (_post(_score_request("png", ["***"])), 400, "malformed request"),
+    "png sizes differ": (_post(_score_request("png", [_b64(_png(8, 8)), _b64(_png(9, 9))], 2)), 400, "differ"),
+    "deep json": (_post(b"[" * 200_000), 400, "not a JSON object"),
+    "non-UTF-8 json": (_post(b"\xff\xfe{}"), 400, "not a JSON object"),
+    "non-integer Content-Length": (_post(b"{}", "12abc"), 400, "Content-Length"),
+    "negative Content-Length": (_post(b"", "-5"), 400, "Content-Length"),
+    "huge Content-Length": (_post(b"", str(10**12)), 413, "exceeds"),
+    "no Content-Length": (b"POST /score HTTP/1.1\r\nHost: x\r\n\r\n", 411, "Content-Length"),
+}  # fmt: skip
+
+
+def test_every_bad_request_gets_a_4xx_reply():
+    # Each of these used to drop the connection without a reply (the client then retried and blamed the server),
+    # and the two 9000 x 9000 PNGs in a 26 KB request decoded to gigabytes.
+    with serving(_zeros) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        for name, (request, status, words) in BAD_REQUESTS.items():
+            start = time.monotonic()
+            got, body = _raw_http(port, request)
+            assert (got, words in body) == (status, True), f"{name}: {got} {body[:300]}"
+            assert time.monotonic() - start < 10, name  # refused from headers, nothing decoded
+        with urllib.request.urlopen(url.replace("/score", "/health"), timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ok"  # still serving
+
+
+def test_the_client_sees_the_servers_limits_and_does_not_retry():
+    images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with serving(_zeros, max_pixels=64 * 64) as url:  # one 64 x 64 image per request
+        remote = build_reward([{"name": "remote", "url": url, "retries": 3, "backoff": 5}])
+        with pytest.raises(RewardError, match=r"HTTP 413: request holds 8192 pixels.*batch_size"):
+            remote(images, ["a", "b"])
+        one_at_a_time = build_reward([{"name": "remote", "url": url, "batch_size": 1}])
+        assert one_at_a_time(images, ["a", "b"])["total"].shape == (2,)
+    images = torch.rand(2, 3, 256, 256, generator=torch.Generator().manual_seed(0))  # 2 MB as base64 npz
+    # A body over the size limit is refused from its Content-Length; the server reads and drops the rest for a
+    # moment, so that the client, still sending, gets the reply instead of a reset connection.
+    with serving(_zeros, max_request_mb=0.5) as url:
+        remote = build_reward([{"name": "remote", "url": url, "image_format": "npz", "retries": 3, "backoff": 5}])
+        with pytest.raises(RewardError, match=r"HTTP 413: request body of \d+ bytes exceeds .* 524288 bytes"):
+            remote(images, ["a", "b"])
+
+
+def test_stalled_and_dripping_clients_are_timed_out():
+    with serving(_zeros, timeout=0.5) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        start = time.monotonic()
+        status, body = _raw_http(port, _post(b'{"format": ', "100"))  # then nothing
+        assert status == 408 and "not received within 0.5 s" in body
+        assert time.monotonic() - start < 10
+        # A byte every 0.1 s never trips a per-read timeout of 0.5 s: the whole body has a deadline.
+        stop = threading.Event()
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(_post(b"", "1000"))
+            start = time.monotonic()
+
+            def drip():
+                with contextlib.suppress(OSError):
+                    while not stop.wait(0.1):
+                        sock.sendall(b" ")
+
+            threading.Thread(target=drip, daemon=True).start()
+            try:
+                reply = sock.recv(65536)
+            finally:
+                stop.set()
+        assert reply.startswith(b"HTTP/1.0 408") and time.monotonic() - start < 10
+
+
+def test_listen_backlog_takes_a_burst_of_clients():
+    # socketserver's default backlog of 5 left the rest of a burst of connections waiting or reset.
+    server = make_reward_server(_zeros, port=0)
+    sockets = []
+    try:
+        for _ in range(64):  # nobody accepts yet: every connection waits in the backlog
+            sockets.append(socket.create_connection(server.server_address, timeout=1.0))
+    finally:
+        for sock in sockets:
+            sock.close()
+        server.server_close()
+    assert len(sockets) == 64
+
+
+def test_a_dripping_server_cannot_hold_the_client_past_its_deadline():
+    stop = threading.Event()
+
+    class Dripping(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.1):  # a byte every 0.1 s: no single read ever times out
+                    self.wfile.write(b" ")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dripping)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    try:
+        remote = build_reward([{"name": "remote", "url": url, "timeout": 1, "retries": 1, "backoff": 0.01}])
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"no answer after 2 attempt\(s\).*TimeoutError: no complete reply"):
+            remote(torch.rand(1, 3, 8, 8), ["a"])
+        assert time.monotonic() - start < 6  # two attempts of 1 s (was: 10 s each, a byte at a time)
+        remote = build_reward([{"name": "remote", "url": url, "timeout": 30, "retries": 5, "deadline": 1.5}])
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"no answer after 1 attempt\(s\) \(30 s each, 1.5 s in all\)"):
+            remote(torch.rand(1, 3, 8, 8), ["a"])
+        assert time.monotonic() - start < 6
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
