@@ -452,6 +452,7 @@ def _check_ranges(config: Config) -> None:
     for key, value in non_negative.items():
         _check_range(key, value, 0)
     _check_range("eval.max_prompts", e.max_prompts, 1, why="null evaluates every test prompt")
+    _check_range("model.max_sequence_length", m.max_sequence_length, 1, why="null: the family's default")
     _check_range("model.lora.alpha", m.lora.alpha, 0, low_open=True)
     _check_range("model.lora.dropout", m.lora.dropout, 0, 1, high_open=True)
     if s.num_steps < 2:

@@ -20,7 +20,8 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
     pipe = load_pipeline(model.pretrained, kind=model.kind, dtype=dtype or model.dtype, device=device)
     if model.vae_fp32:
         pipe.vae.to(torch.float32)
-    adapter = make_adapter(pipe, negative_prompt=model.negative_prompt)
+    options = {} if model.max_sequence_length is None else {"max_sequence_length": model.max_sequence_length}
+    adapter = make_adapter(pipe, negative_prompt=model.negative_prompt, **options)
     adapter.check_size(model.resolution, model.resolution)
     adapter.set_attention_backend(model.attention)
     lora = model.lora
