@@ -158,9 +158,18 @@ def export(pipe, ema: dict[str, torch.Tensor], out: Path, args: argparse.Namespa
     tmp.rename(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int:
+    """``stop_after``: end after that step's checkpoint without exporting, as an interruption would (tests)."""
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _pretrain(args, stop_after)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pretrain(args: argparse.Namespace, stop_after: int | None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     train_specs, test_specs = split()
     eval_specs = balanced_prompts(test_specs, args.eval_per_tag, seed=args.seed)
@@ -186,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [line for line in log_file.read_text().splitlines() if json.loads(line)["step"] <= start]
         log_file.write_text("".join(row + "\n" for row in rows))
     t0 = time.time() - elapsed
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="pretraining", dynamic_ncols=True)
+    end = args.steps if stop_after is None else min(stop_after, args.steps)
+    bar = tqdm(range(start, end), initial=start, total=args.steps, desc="pretraining", dynamic_ncols=True)
     for step in bar:
         rng = np.random.default_rng([args.seed, step])
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
@@ -225,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"colour+count {result['color_count']:.3f} partial {result['partial']:.3f}")  # fmt: skip
         if done % args.checkpoint_every == 0 or done == args.steps:
             save_checkpoint(args.work, done, pipe, ema, optimizer, time.time() - t0)
+    if end < args.steps:
+        return 0
     for m in modules.values():
         m.eval()
     rows = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.is_file() else []

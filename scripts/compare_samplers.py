@@ -1,0 +1,204 @@
+"""Train the shapes task with every sampler on the same budget, and write docs/shapes.md (a table and a plot).
+
+    python scripts/compare_samplers.py                       # all samplers, seeds 0 and 1, configs/shapes.yaml
+    python scripts/compare_samplers.py --samplers flowgrpo cps --seeds 0 --epochs 4   # a quick look
+
+Each run is ``scripts/train.py --config configs/shapes.yaml`` with the sampler's overrides and the same number
+of epochs, in its own process; a finished run (its metrics hold the last epoch) is reused when the script
+is run again, so an interrupted comparison continues where it stopped. Wall time is the runs' own sampling,
+reward and training time (evaluation excluded), summed over epochs. Network calls and trained steps per image
+follow from each sampler's schedule (``calls_per_image``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> (what it is, overrides of configs/shapes.yaml). Values follow the presets in configs/ (noise levels,
+# window sizes), scaled to the shapes task's 10 steps and short runs.
+SAMPLERS: dict[str, tuple[str, list[str]]] = {
+    "flowgrpo": ("Euler-Maruyama, g = 0.7 sqrt(t/(1-t)) (Flow-GRPO)", []),
+    "dancegrpo": ("Euler-Maruyama, g = 0.3 (DanceGRPO)", ["sampler.diffusion=dance", "sampler.noise_level=0.3"]),
+    "cps": ("coefficients-preserving, a = 0.8, random window of 2 in steps 0-4 (Flow-GRPO-Fast)",
+            ["sampler.kind=cps", "sampler.noise_level=0.8", "sampler.window.size=2", "sampler.window.strategy=random",
+             "sampler.window.max_start=4"]),
+    "langevin_frozen": ("Langevin-corrected, frozen score (LC-GRPO, 1 call per step)",
+                        ["sampler.kind=langevin", "sampler.score_eval=frozen"]),
+    "langevin_reeval": ("Langevin-corrected, re-evaluated score (2 calls per SDE step)",
+                        ["sampler.kind=langevin", "sampler.score_eval=reeval"]),
+    "mixgrpo": ("SDE window of 4 moving every 2 epochs, ODE elsewhere (MixGRPO)",
+                ["sampler.window.size=4", "sampler.window.strategy=progressive", "sampler.window.shift_interval=2",
+                 "sampler.window.roll_back=true"]),
+    "mixgrpo_flash": ("MixGRPO + DPM-Solver++(2M) on 40% of the tail (MixGRPO-Flash)",
+                      ["sampler.window.size=4", "sampler.window.strategy=progressive",
+                       "sampler.window.shift_interval=2", "sampler.window.roll_back=true",
+                       "sampler.post_window.solver=dpmpp_2m", "sampler.post_window.ratio=0.4"]),
+}  # fmt: skip
+
+
+def calls_per_image(config) -> tuple[float, float]:
+    """(network calls, trained steps) per image per epoch, averaged over the window's positions.
+
+    A call is one transformer forward of one image (CFG's batched pair counts once). Rollout: every step one
+    call, a re-evaluated Langevin step two, the steps after the window ``max(int(tail * ratio), 1)`` calls when
+    a post-window ratio compresses the tail. Training: each trained (window) step one call, two when re-evaluated.
+    """
+    from flowgrpo.trainer import make_window
+
+    sampler = config.sampler
+    window = make_window(config)
+    per_sde = 2 if sampler.kind == "langevin" and sampler.score_eval == "reeval" else 1
+    totals, trained = [], []
+    for iteration in range(config.run.epochs):
+        steps = window.steps(iteration)
+        after = steps.stop if len(steps) else 0  # first step after the window (as flowgrpo.rollout)
+        tail = sampler.num_steps - after
+        compressed = sampler.post_window.solver == "dpmpp_2m" and tail > 0
+        tail_calls = max(int(tail * sampler.post_window.ratio), 1) if compressed else tail
+        rollout = after + tail_calls + (per_sde - 1) * len(steps)
+        totals.append(rollout + per_sde * len(steps))
+        trained.append(len(steps))
+    return statistics.mean(totals), statistics.mean(trained)
+
+
+def run_one(name: str, seed: int, args: argparse.Namespace) -> Path:
+    """The run directory of (sampler, seed): an existing finished run, or a new one trained now."""
+    out = args.runs / f"{name}-s{seed}"
+    done = [d for d in sorted(out.glob("*")) if _last_epoch(d) == args.epochs - 1]
+    if done:
+        return done[-1]
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(args.config),
+               f"run.name={name}", f"run.output_dir={out}", f"run.seed={seed}", f"run.epochs={args.epochs}",
+               f"eval.every={args.eval_every}", "run.progress=false", *SAMPLERS[name][1], *args.overrides]  # fmt: skip
+    print(f"[{name} seed {seed}] {' '.join(command[2:])}", flush=True)
+    subprocess.run(command, check=True, cwd=ROOT)
+    done = [d for d in sorted(out.glob("*")) if _last_epoch(d) == args.epochs - 1]
+    if not done:
+        raise RuntimeError(f"{name} seed {seed}: no finished run in {out}")
+    return done[-1]
+
+
+def _last_epoch(run_dir: Path) -> int | None:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    epochs = [json.loads(line).get("epoch") for line in metrics.read_text().splitlines() if line.strip()]
+    return max((e for e in epochs if e is not None), default=None)
+
+
+def curve(run_dir: Path) -> list[tuple[float, dict[str, float]]]:
+    """(cumulative training seconds, eval metrics) at each evaluation of a run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    seconds, points = 0.0, []
+    for row in rows:
+        seconds += sum(row.get(k, 0.0) for k in ("time/sampling", "time/reward_wait", "time/training"))
+        evals = {k.removeprefix("eval/"): v for k, v in row.items() if k.startswith("eval/")}
+        if evals:
+            points.append((seconds, evals))
+    return points
+
+
+def mean_spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{100 * values[0]:.1f}"
+    return f"{100 * statistics.mean(values):.1f} ± {100 * (max(values) - min(values)) / 2:.1f}"
+
+
+def write_report(results: dict[str, list[Path]], args: argparse.Namespace) -> None:
+    from flowgrpo.config import load_config
+    from rewards.shapes import TAGS
+
+    key = "shapes/accuracy/{}"
+    columns = ["exact", "color_count"] + [f"exact/tag/{t}" for t in TAGS]
+    header = ["sampler", "exact", "colour+count", *TAGS, "wall s", "calls / image", "trained steps / image"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    base = curve(next(iter(results.values()))[0])[0][1]
+    lines.append("| base model (before RL) | " + " | ".join(f"{100 * base[key.format(c)]:.1f}" for c in columns)
+                 + " | | | |")  # fmt: skip
+    for name, runs in results.items():
+        finals = [curve(r)[-1] for r in runs]
+        config = load_config(str(args.config), [*SAMPLERS[name][1], f"run.epochs={args.epochs}", *args.overrides])
+        calls, trained = calls_per_image(config)
+        cells = [mean_spread([f[1][key.format(c)] for f in finals]) for c in columns]
+        wall = statistics.mean(f[0] for f in finals)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {wall:.0f} | {calls:.1f} | {trained:.1f} |")
+    plot = args.out.with_suffix(".png")
+    _plot(results, plot)
+    seeds = ", ".join(str(s) for s in args.seeds)
+    text = [
+        "# Samplers on the shapes task",
+        "",
+        f"Written by `python scripts/compare_samplers.py {' '.join(sys.argv[1:])}`: `{args.config.name}` with each "
+        f"sampler's overrides, {args.epochs} epochs, seeds {seeds}. Held-out accuracy in % (ODE sampling of the "
+        "test prompts, mean ± half the range over seeds); wall time is sampling + reward + training, evaluation "
+        "excluded.",
+        "",
+        *lines,
+        "",
+        *(f"- **{n}**: {SAMPLERS[n][0]}; overrides `{' '.join(SAMPLERS[n][1]) or '(none)'}`" for n in results),
+        "",
+        f"![held-out accuracy against wall-clock]({plot.name})",
+        "",
+    ]
+    args.out.write_text("\n".join(text))
+    print(f"wrote {args.out} and {plot}")
+
+
+def _plot(results: dict[str, list[Path]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    for ax, measure in zip(axes, ("exact", "color_count"), strict=True):
+        for i, (name, runs) in enumerate(results.items()):
+            for j, run in enumerate(runs):
+                points = curve(run)
+                accuracy = [100 * p[1][f"shapes/accuracy/{measure}"] for p in points]
+                label = name if j == 0 else None
+                ax.plot(
+                    [p[0] for p in points], accuracy, color=f"C{i}", alpha=0.5 + 0.4 * (j == 0), marker=".", label=label
+                )
+        ax.set_xlabel("training wall time, s (2 CPU cores)")
+        ax.set_ylabel(f"held-out accuracy, {measure} (%)")
+        ax.legend(fontsize=8)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=list(SAMPLERS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--epochs", type=int, default=None, help="default: the config's run.epochs")
+    parser.add_argument("--eval-every", type=int, default=None, help="default: the config's eval.every")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "shapes.yaml")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "shapes.md")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = parser.parse_args(argv)
+
+    from flowgrpo.config import load_config
+
+    config = load_config(str(args.config), args.overrides)
+    args.epochs = args.epochs or config.run.epochs
+    args.eval_every = args.eval_every or config.eval.every
+    if args.eval_every < 1 or args.epochs % args.eval_every:
+        parser.error("--eval-every must be >= 1 and divide --epochs: the table reads the last epoch's evaluation")
+    results = {name: [run_one(name, seed, args) for seed in args.seeds] for name in args.samplers}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
