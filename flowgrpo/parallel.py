@@ -45,6 +45,29 @@ def cpu_launch_kwargs() -> dict[str, Any]:
     return {"cpu": True} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
 
 
+def end_process(acc: Accelerator, code: int) -> None:
+    """End a process of a multi-process launch with ``code``, skipping Python's interpreter teardown (a no-op
+    in a single process: it returns, and the caller exits as usual).
+
+    ``destroy_process_group`` does not stop gloo's C++ threads while anything still references a process group,
+    and DeepSpeed keeps references to its groups (module globals, the engine, the ZeRO optimizer, every
+    parameter's ``_dp_group``): the threads live on into interpreter teardown. A C++ thread that then touches a
+    Python object (a gloo worker dropping a collective's tensor takes the GIL) is stopped by CPython with
+    ``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls ``std::terminate``: "terminate
+    called without an active exception", SIGABRT (pytorch/pytorch#190489, #38228). After ``end_training`` has
+    flushed the trackers nothing is left to tear down, so the process ends here: every file written by then is
+    closed, logging and the standard streams are flushed first."""
+    if acc.num_processes <= 1:
+        return
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def is_deepspeed(acc: Accelerator) -> bool:
     return acc.distributed_type == DistributedType.DEEPSPEED
 
@@ -217,8 +240,9 @@ def _buffers_not_saved(model: torch.nn.Module) -> Iterator[None]:
 def load_optimizer(
     acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
 ) -> None:
-    """Restore what :func:`optimizer_state` saved (after the adapter weights have been loaded)."""
-    from .checkpoint import CheckpointError
+    """Restore what :func:`optimizer_state` saved (after the adapter weights have been loaded). Files are read
+    without running code (``weights_only``); failures are CheckpointErrors naming the file."""
+    from .checkpoint import CheckpointError, load_torch_file
 
     if is_deepspeed(acc):
         folder = checkpoint / DEEPSPEED_FOLDER
@@ -226,8 +250,17 @@ def load_optimizer(
             raise CheckpointError(f"{checkpoint} was not written under DeepSpeed (no {DEEPSPEED_FOLDER}/): resume "
                                   "it with the launch it was trained with")  # fmt: skip
         # Trainable weights come back from DeepSpeed's file too (fp32 master weights included).
-        path, _ = engine(acc).load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_module_strict=False,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)  # fmt: skip
+        try:
+            with _deepspeed_reads_safely(engine(acc)):
+                path, _ = engine(acc).load_checkpoint(
+                    str(folder), tag=DEEPSPEED_TAG, load_module_strict=False, load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                )  # fmt: skip
+        except CheckpointError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, AssertionError) as err:
+            raise CheckpointError(f"DeepSpeed could not load {folder}: {err}; resume with the launch (and number of "
+                                  "processes) the checkpoint was written with") from None  # fmt: skip
         if path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder}")
         return
@@ -237,7 +270,7 @@ def load_optimizer(
                               "checkpoint was written with")  # fmt: skip
     # Loaded on the CPU (accelerate names a multi-process CPU device "cpu:N", which torch.load rejects);
     # loading moves the state next to the parameters.
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    state = load_torch_file(file)
     if is_fsdp(acc):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -245,6 +278,26 @@ def load_optimizer(
             set_optimizer_state_dict(model, _inner(optimizer), state, options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def _deepspeed_reads_safely(ds_engine: Any) -> Iterator[None]:
+    """DeepSpeed reads its checkpoint files with ``torch.load(weights_only=False)``, which runs whatever code a
+    file's pickle names. Meanwhile its checkpoint engine reads them as :func:`load_torch_file` does: tensors,
+    containers and DeepSpeed's few data classes only."""
+    from .checkpoint import deepspeed_safe_globals, load_torch_file
+
+    reader = ds_engine.checkpoint_engine
+    allowed = deepspeed_safe_globals()
+
+    def safe_load(path: str, map_location: Any = None) -> Any:  # noqa: ARG001 - on the CPU; DeepSpeed moves it
+        return load_torch_file(Path(path), allow=allowed)
+
+    reader.load = safe_load  # this instance only
+    try:
+        yield
+    finally:
+        del reader.load  # back to the class's method
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

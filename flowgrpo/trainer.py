@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import signal
 import time
 from collections import defaultdict
@@ -33,12 +34,18 @@ from samplers import SlidingWindow, transition_kl
 from .adapters import build_adapter
 from .advantages import compute_advantages
 from .checkpoint import (
+    CheckpointError,
+    RunLock,
+    check_model_matches,
     checkpoint_name,
+    create_run_dir,
     load_checkpoint,
+    recipe_changes,
     resolve_resume,
     rng_state,
     save_checkpoint,
     set_aside_later,
+    write_run_config,
 )
 from .config import Config, ConfigError, validate
 from .data import PromptDataset, epoch_plan, rank_slice
@@ -125,24 +132,29 @@ class GRPOTrainer:
         self.window = make_window(config)
         self.state = TrainState()
         run = config.run
-        resume = resolve_resume(run.resume, run.output_dir, run.name) if run.resume else None
+        warn = lambda message: acc.print(f"warning: {message}")  # noqa: E731
+        resume = resolve_resume(run.resume, run.output_dir, run.name, warn=warn) if run.resume else None
+        if resume is not None:  # before anything is written: the weights must mean what the config says
+            check_model_matches(resume, config)
         self.run_dir = self._make_run_dir(resume.parent.parent if resume is not None else run_dir)
         if resume is not None:
+            changes = recipe_changes(resume, config)
+            if changes:
+                warn(f"resuming with settings that differ from the checkpoint's: {'; '.join(changes)}")
             load_checkpoint(self, resume)
             acc.print(f"resumed from {resume} at epoch {self.state.epoch}")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
             if acc.is_main_process:
-                moved = set_aside_later(self.run_dir, self.state.epoch, time.strftime("%Y%m%d-%H%M%S"))
+                moved = set_aside_later(self.run_dir, self.state.epoch, stamp)
                 if moved is not None:
                     print(f"the run's output after {resume.name} moved to {moved}")
-            acc.wait_for_everyone()
+            self._on_main(lambda: write_run_config(self.run_dir, config, stamp))  # config.yaml stays the first's
         self.stop = StopRequest()
         self.checkpointed_epoch = self.state.epoch if resume is not None else None  # the newest checkpoint's epoch
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")
-        if acc.is_main_process:
-            (self.run_dir / "config.yaml").write_text(config.to_yaml())
-            if config.run.progress:
-                print("resolved config:\n  " + config.to_yaml().rstrip().replace("\n", "\n  "))
+        if acc.is_main_process and config.run.progress:
+            print("resolved config:\n  " + config.to_yaml().rstrip().replace("\n", "\n  "))
         acc.project_configuration.project_dir = acc.project_configuration.logging_dir = str(self.run_dir)
         # A resume tells TensorBoard to drop the earlier attempt's points from the resumed epoch on (as metrics.jsonl).
         purge = {"tensorboard": {"purge_step": self.state.epoch}} if resume is not None else {}
@@ -150,21 +162,46 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _make_run_dir(self, run_dir: Path | None) -> Path:
-        acc = self.accelerator
-        if run_dir is None and acc.is_main_process:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            base = Path(self.config.run.output_dir) / f"{self.config.run.name}-{stamp}"
-            run_dir, n = base, 1
-            while run_dir.exists():  # never overwrite another run
-                run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
-        holder = [str(run_dir) if run_dir is not None else None]
+        """The run directory, locked by rank 0 while this trainer trains (a second trainer on it stops with a
+        CheckpointError). A new one is created atomically with its config.yaml, and removed again if that fails
+        (a full disk leaves no empty run behind). Every process gets the same path, or the same error."""
+        acc, run = self.accelerator, self.config.run
+        self.run_lock: RunLock | None = None
+        path: Path | None = run_dir
+
+        def create_and_lock() -> None:
+            nonlocal path
+            created = path is None
+            path = create_run_dir(run.output_dir, run.name) if created else Path(path)
+            try:
+                path.mkdir(parents=True, exist_ok=True)  # an explicit run_dir may not exist yet
+                self.run_lock = RunLock(path)
+                self.run_lock.acquire()
+                if created:
+                    write_run_config(path, self.config)
+            except (CheckpointError, OSError) as err:
+                if self.run_lock is not None:
+                    self.run_lock.release()
+                if created:
+                    shutil.rmtree(path, ignore_errors=True)
+                raise err if isinstance(err, CheckpointError) else CheckpointError(f"{path}: {err}") from err
+
+        self._on_main(create_and_lock)
+        holder = [str(path) if path is not None else None]
         if acc.num_processes > 1:
             broadcast_object_list(holder)
-        path = Path(holder[0])
-        if acc.is_main_process:
-            path.mkdir(parents=True, exist_ok=True)
-        acc.wait_for_everyone()
-        return path
+        return Path(holder[0])
+
+    def _on_main(self, work: Callable[[], Any]) -> None:
+        """Run ``work`` on rank 0; if it raises, every process raises (none is left waiting in a collective)."""
+        failure: CheckpointError | None = None
+        if self.accelerator.is_main_process:
+            try:
+                work()
+            except CheckpointError as err:
+                failure = err
+        if any_process(self.accelerator, failure is not None):
+            raise failure or CheckpointError("rank 0 could not set up the run directory (its error says why)")
 
     @property
     def deepspeed(self) -> bool:
@@ -184,6 +221,8 @@ class GRPOTrainer:
         bar = tqdm(range(self.state.epoch, cfg.run.epochs), desc="epochs", initial=self.state.epoch,
                    total=cfg.run.epochs, disable=not (cfg.run.progress and acc.is_main_process))  # fmt: skip
         every, save_every = cfg.eval.every, cfg.checkpoint.every
+        if self.run_lock is not None:
+            self.run_lock.acquire()  # again, if an earlier fit() of this trainer released it
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
         with _stop_on_signals(self):
@@ -219,6 +258,8 @@ class GRPOTrainer:
                     acc.print("stop requested (signal): checkpoint written, exiting")
                     break
         self._finish()
+        if self.run_lock is not None:
+            self.run_lock.release()  # the run may be resumed now (also by another trainer in this process)
         return self.state
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:

@@ -52,7 +52,10 @@ def _final(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _assert_same_finals(run: Path, reference: Path) -> None:
-    """Bit-equal final weights and EMA, rank by rank."""
+    """Bit-equal final weights and EMA, rank by rank. Exact on purpose: a resumed process is built like the
+    uninterrupted one (the same pipeline loading, the LoRA weights and optimizer state copied into buffers
+    allocated as before), so it runs the same kernels on the same data; only the pipeline-loading test
+    (test_pipelines.py) compares copies in differently aligned memory, and allows for that."""
     for rank in range(2):
         ours, theirs = _final(run, rank), _final(reference, rank)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), f"rank {rank}"
@@ -139,7 +142,7 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_pa
     state = json.loads((checkpoint / "state.json").read_text())
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert 2 <= state["epoch"] == len(rows) < 500
-    assert (checkpoint / "rng_rank0.pt").is_file() and (checkpoint / "rng_rank1.pt").is_file()
+    assert (checkpoint / "rng_rank0.json").is_file() and (checkpoint / "rng_rank1.json").is_file()
 
 
 def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
@@ -168,6 +171,32 @@ def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
 
 def test_deepspeed_zero2_resume_is_exact(zero2_run, tmp_path):
     _assert_same_finals(_resume_from_first_checkpoint(ZERO2, zero2_run, tmp_path), zero2_run)
+
+
+class _Payload:
+    """Unpickling this creates ``marker`` (an attacker's code could do anything)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_deepspeed_files_with_code_in_them_are_refused(zero2_run, tmp_path):
+    """DeepSpeed itself reads its files with torch.load(weights_only=False): a planted pickle would run on resume."""
+    copy = tmp_path / "run"
+    shutil.copytree(zero2_run, copy)
+    checkpoint = copy / "checkpoints" / "epoch-00002"
+    (shard,) = (checkpoint / "deepspeed").rglob("zero_pp_rank_0_*optim_states.pt")
+    marker = tmp_path / "pwned"
+    state = torch.load(shard, map_location="cpu", weights_only=False)  # our own file: a real one, plus the payload
+    state["payload"] = _Payload(marker)
+    torch.save(state, shard)
+    result = _launch(ZERO2, tmp_path / "out", "run.epochs=3", f"run.resume={checkpoint}")
+    assert result.returncode != 0
+    assert "could run code" in result.stderr and shard.name in result.stderr, result.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
@@ -232,7 +261,15 @@ def _same_training(run: Path, reference: Path, atol: float) -> None:
     for epoch, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
         ours, theirs = (torch.load(r / "debug" / f"epoch{epoch}_rank{rank}.pt") for r in (run, reference))
         assert ours.keys() == theirs.keys()
-        assert all(torch.equal(ours[k], theirs[k]) for k in (ours if epoch == 0 else ["group_ids", "all_group_ids"]))
+        assert all(torch.equal(ours[k], theirs[k]) for k in ("group_ids", "all_group_ids"))
+        if epoch == 0:
+            # Same initial weights, but another back-end's process: its tensors lie in other buffers (FSDP2 gathers
+            # each layer's weights into fresh ones), and CPU GEMM kernels pick their blocking by alignment, so
+            # rewards (~0.5) agree to a few fp32 ulps, not bit for bit: 1e-5. Advantages divide reward differences
+            # by the group's reward std (3e-4 here), which magnifies those ulps: 1e-3 on values of order 1. A wrong
+            # group, order or gather moves them by far more.
+            for key, atol in (("local_total", 1e-5), ("all_total", 1e-5), ("advantages", 1e-3)):
+                torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=atol, msg=key)
     finals = [_final(run, r) for r in range(2)]
     expected = _final(reference, 0)
     assert finals[0].keys() == expected.keys()
@@ -272,7 +309,8 @@ def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
         out = tmp_path / name
         out.mkdir()
         result = _launch(launcher, out, "eval.every=0", "model.dtype=bf16", "grpo.kl.beta=0.04",
-                         "train.gradient_accumulation=1", script=script, env={"FLOWGRPO_TEST_LOSS": "nan:5,10"})
+                         "train.gradient_accumulation=1", script=script,
+                         env={"FLOWGRPO_TEST_LOSS": "nan:5,10"})  # fmt: skip
         assert result.returncode == 0, result.stderr[-4000:]
         assert "non-finite loss, step skipped" in result.stdout
         (runs[name],) = [p for p in out.iterdir() if p.is_dir()]
