@@ -62,6 +62,7 @@ from .parallel import (
     zero_loss,
     zeroed,
 )
+from .report import write_before_after, write_curves
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
 
 GRID_IMAGES = 64  # evaluation images gathered for the report's grid (scores are gathered for every prompt)
@@ -120,6 +121,8 @@ class GRPOTrainer:
         set_seed(config.run.seed, device_specific=True)
         # Everything that can fail on a bad config runs before the run directory is created.
         self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
+        # A reward with a prompt grammar (shapes) refuses a prompt it cannot score now, not mid-epoch.
+        self.reward.check_prompts(self.train_data.prompts + (self.test_data.prompts if self.test_data else []))
         set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
         set_seed(config.run.seed, device_specific=True)
@@ -536,6 +539,9 @@ class GRPOTrainer:
 
     def _finish(self) -> None:
         acc = self.accelerator
+        if acc.is_main_process and (self.run_dir / "metrics.jsonl").is_file():
+            write_curves(self.run_dir)
+            write_before_after(self.run_dir)
         if self.config.run.debug_dump:
             shadow = self.ema.shadow if self.ema is not None else []
             self._dump("final", **{f"p{i}": p for i, p in enumerate(self.params)},

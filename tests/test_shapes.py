@@ -117,3 +117,18 @@ def test_identity_vae_round_trips_pixels_and_the_tokenizer_keeps_words_whole():
         assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, word
     longest = max((s.prompt for s in all_specs()), key=lambda p: len(tokenizer(p).input_ids))
     assert len(tokenizer(longest).input_ids) <= tokenizer.model_max_length
+
+
+def test_a_prompt_outside_the_grammar_stops_training_before_any_work(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train
+
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "a red circle", "tag": "colors"}\n{"prompt": "a photo of a cat", "tag": "colors"}\n')
+    code = train.main(["--config", "configs/shapes.yaml", f"data.train={bad}", f"run.output_dir={tmp_path / 'runs'}"])
+    assert code == 2
+    assert "'a photo of a cat' is outside the task's grammar" in capsys.readouterr().err.replace("\n", " ")
+    assert not (tmp_path / "runs").exists()
