@@ -123,11 +123,13 @@ def render_prompt(prompt: str, rng: np.random.Generator) -> np.ndarray:
 
 
 def balanced_prompts(specs: list[SceneSpec], per_tag: int, seed: int) -> list[SceneSpec]:
-    """``per_tag`` specs of each tag (cycling through a tag's shuffled specs when it has fewer), in tag order."""
+    """``per_tag`` specs of each tag present (cycling through its shuffled specs when it has fewer), in tag order."""
     rng = np.random.default_rng(seed)
     out: list[SceneSpec] = []
     for tag in TAGS:
         pool = [s for s in specs if s.tag == tag]
+        if not pool:
+            continue
         order = rng.permutation(len(pool))
         out += [pool[order[i % len(pool)]] for i in range(per_tag)]
     return out
