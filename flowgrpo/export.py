@@ -2,46 +2,281 @@
 
     python scripts/export.py --checkpoint runs/<run>/checkpoints/epoch-00100 --out my-lora
     python scripts/export.py --checkpoint ... --out my-pipeline --merge [--ema]
+
+Before anything is written, the checkpoint's LoRA weights must fit the configured model exactly (every saved
+weight is a LoRA weight of the model, of the same shape, and the other way round), and the output directory
+must be new, empty or (with ``overwrite``) an earlier output of the same kind, and must not hold, contain or lie
+inside the base model, the Hugging Face cache or the checkpoint. Outputs are written beside their destination
+under a temporary name and renamed into place, so a failure leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .adapters import PipelineAdapter, build_adapter
+from .adapters import ADAPTERS, PipelineAdapter, build_adapter
 from .checkpoint import CheckpointError, load_adapter_weights, read_weights
 from .config import Config, load_config
-from .pipelines import PIPELINE_CLASSES, detect_kind, load_pipeline
+from .pipelines import PIPELINE_CLASSES, TINY_SOURCES, detect_kind, load_pipeline, resolve_source
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+Shapes = dict[str, tuple[int, ...]]
 
 
+# ---------------------------------------------------------------------------- which config, which model
 def run_config(checkpoint: Path, overrides: list[str] | None = None) -> Config:
     """The resolved config a checkpoint's run was trained with (``<run>/config.yaml``)."""
+    check_checkpoint_dir(Path(checkpoint))
     path = Path(checkpoint).parent.parent / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: is {checkpoint} a checkpoint inside a run? (or pass --config)")
     return load_config(path, ["run.resume=null", *(overrides or [])])
 
 
+def check_checkpoint_dir(checkpoint: Path, *, ema: bool = False) -> None:
+    """``checkpoint`` is a directory holding the adapter files export and evaluate read."""
+    if not checkpoint.is_dir():
+        what = "is not a directory" if checkpoint.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint {checkpoint} {what}; pass --checkpoint <run>/checkpoints/epoch-NNNNN")
+    for name in ("adapter.safetensors", "adapter_config.json", *(["ema.safetensors"] if ema else [])):
+        if not (checkpoint / name).is_file():
+            hint = " (the run had train.ema = 0)" if name == "ema.safetensors" else " (not a complete checkpoint?)"
+            raise CheckpointError(f"checkpoint {checkpoint} has no {name}{hint}")
+
+
+def model_kind(config: Config) -> str:
+    """``sd3`` or ``flux``: ``model.kind``, or read from ``model.pretrained``'s ``model_index.json``."""
+    if config.model.kind != "auto":
+        return config.model.kind
+    try:
+        return detect_kind(config.model.pretrained)
+    except json.JSONDecodeError as err:  # a corrupt model_index.json; the loader's own message names no file
+        raise CheckpointError(
+            f"model.pretrained={config.model.pretrained!r}: its model_index.json is not valid JSON ({err}); "
+            "repair or re-download the model"
+        ) from None
+
+
+# ---------------------------------------------------------------------------- the checkpoint must fit the model
+def saved_lora_shapes(checkpoint: Path, *, ema: bool = False) -> Shapes:
+    """Names and shapes of a checkpoint's adapter (or EMA) weights, read from the file header only."""
+    from safetensors import safe_open
+
+    file = Path(checkpoint) / ("ema.safetensors" if ema else "adapter.safetensors")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for damaged headers
+        raise CheckpointError(f"{file} is not a readable safetensors file ({err}); the checkpoint is damaged") from None
+
+
+def model_lora_shapes(model: Any) -> Shapes:
+    """Names (as checkpoints save them) and shapes of a model's LoRA weights."""
+    from peft import get_peft_model_state_dict
+
+    return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(model).items()}
+
+
+def expected_lora_shapes(config: Config) -> Shapes:
+    """The LoRA weights ``config.model`` would have, from its transformer's config alone (no weights are read)."""
+    from accelerate import init_empty_weights
+    from peft import LoraConfig
+
+    kind = model_kind(config)
+    source = config.model.pretrained
+    if source in TINY_SOURCES:  # built in code, and small
+        from .tiny import build_tiny_pipeline
+
+        transformer = build_tiny_pipeline(kind).transformer  # type: ignore[arg-type]
+    with init_empty_weights():  # parameters on the meta device: shapes without memory
+        if source not in TINY_SOURCES:
+            transformer = _empty_transformer(resolve_source(source), kind)
+        lora = config.model.lora
+        targets = ADAPTERS[kind].default_lora_targets if lora.target_modules == "default" else lora.target_modules
+        try:
+            transformer.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets)))
+        except ValueError as err:
+            message = f"model.lora.target_modules {targets} do not match the {kind} transformer: {err}"
+            raise CheckpointError(message) from None
+    return model_lora_shapes(transformer)
+
+
+def _empty_transformer(source: str, kind: str) -> Any:
+    """The transformer of a local directory or hub id, built from its config (call under ``init_empty_weights``)."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    cls = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}[kind]
+    try:
+        return cls.from_config(cls.load_config(source, subfolder="transformer"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"model.pretrained={source!r}: cannot read its transformer/config.json ({err})") from None
+
+
+def check_lora_fits(checkpoint: Path, config: Config, expected: Shapes, saved: Shapes) -> None:
+    """Refuse a checkpoint whose LoRA weights are not exactly the model's: another model family or size, or
+    other ``model.lora`` settings. (diffusers' ``load_lora_weights`` loads whatever names happen to match.)"""
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    reshaped = sorted(k for k in set(expected) & set(saved) if expected[k] != saved[k])
+    if not (missing or unexpected or reshaped):
+        return
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of the model's {len(expected)} LoRA weights are not in the checkpoint "
+                        f"(e.g. {missing[0]})")  # fmt: skip
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} of the checkpoint's {len(saved)} are not in the model (e.g. {unexpected[0]})"
+        )
+    if reshaped:
+        key = reshaped[0]
+        problems.append(
+            f"{len(reshaped)} differ in shape (e.g. {key}: {saved[key]} saved, {expected[key]} in the model)"
+        )
+    m = config.model
+    raise CheckpointError(
+        f"checkpoint {checkpoint} was not trained on model.pretrained={m.pretrained!r} with model.lora rank "
+        f"{m.lora.rank}, target_modules {m.lora.target_modules!r}: {'; '.join(problems)}. Use the config the "
+        "checkpoint was trained with (leave out --config to read <run>/config.yaml), or set model.pretrained and "
+        "model.lora to the model it was trained on"
+    )
+
+
 def adapter_from_checkpoint(
     config: Config, checkpoint: Path, *, ema: bool = False, device: str = "cpu", dtype: str | None = None
 ) -> PipelineAdapter:
     """The run's pipeline with its LoRA adapter loaded from ``checkpoint`` (EMA weights with ``ema``)."""
+    checkpoint = Path(checkpoint)
+    check_checkpoint_dir(checkpoint, ema=ema)
+    # Checked before the model's weights are loaded (gigabytes for real models); loading checks the keys again.
+    check_lora_fits(checkpoint, config, expected_lora_shapes(config), saved_lora_shapes(checkpoint, ema=ema))
     adapter = build_adapter(config.model, device, dtype)
-    load_adapter_weights(adapter.pipe.transformer, Path(checkpoint), ema=ema)
+    load_adapter_weights(adapter.pipe.transformer, checkpoint, ema=ema)
     return adapter
 
 
+# ---------------------------------------------------------------------------- output directories
+def protected_dirs(config: Config) -> list[Path]:
+    """Directories no output may replace, lie inside or contain: the base model and the Hugging Face cache."""
+    from huggingface_hub import constants
+
+    dirs = [Path(constants.HF_HUB_CACHE)]
+    base = Path(resolve_source(config.model.pretrained)).expanduser()
+    if config.model.pretrained not in TINY_SOURCES and base.is_dir():
+        dirs.append(base)
+    return dirs
+
+
+def check_output_dir(
+    out: Path,
+    *,
+    overwrite: bool,
+    kind: str,
+    protected: Sequence[Path] = (),
+    keep: Sequence[Path] = (),
+) -> None:
+    """Refuse ``out`` unless it is new or empty, or ``overwrite`` is set and it holds an earlier output of ``kind``
+    (``lora`` | ``pipeline`` | ``eval``). ``out`` may not be, contain or lie inside a ``protected`` directory, and
+    may not be or contain a ``keep`` directory (it may lie inside one: ``<checkpoint>/eval``)."""
+    target = out.expanduser().resolve()
+    for path in protected:
+        p = path.expanduser().resolve()
+        if target == p or p in target.parents or target in p.parents:
+            raise CheckpointError(f"--out {out} would write into or over {path}, which must stay as it is; "
+                                  "choose a directory outside it")  # fmt: skip
+    for path in keep:
+        p = path.expanduser().resolve()
+        if target == p or target in p.parents:
+            raise CheckpointError(f"--out {out} would replace {path}; choose a directory outside it")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file, not a directory; choose another --out")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise CheckpointError(f"--out {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass "
+                              "--overwrite to replace it, or choose a new directory")  # fmt: skip
+    if not _looks_like(entries, kind):
+        raise CheckpointError(
+            f"--out {out} holds files that are not an earlier {kind} export (e.g. {entries[0]}); --overwrite "
+            "replaces only those: remove it yourself or choose a new directory"
+        )
+
+
+def _looks_like(entries: list[str], kind: str) -> bool:
+    """Whether a directory is an earlier output of ``kind`` (what ``--overwrite`` may replace whole)."""
+    if kind == "lora":
+        return set(entries) <= {LORA_FILE}
+    if kind == "pipeline":
+        return "model_index.json" in entries
+    return all(Path(e).suffix in (".json", ".png") and e.startswith("eval") for e in entries)
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yield an empty directory beside ``out``; when the block succeeds it replaces ``out`` (moved aside, then
+    deleted). On failure it is removed, with any parent directories this call created."""
+    created = _missing_parents(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir()
+        yield tmp
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Rename ``new`` to ``out``; an existing ``out`` is moved aside first and deleted after (put back on failure)."""
+    old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+    if out.exists() or out.is_symlink():
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except OSError:
+        if old.exists() or old.is_symlink():
+            os.replace(old, out)
+        raise
+    if old.is_symlink():
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    missing = []
+    for parent in path.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+# ---------------------------------------------------------------------------- writing
 def save_diffusers_lora(config: Config, checkpoint: Path, out: Path, *, ema: bool = False) -> Path:
     """``out/pytorch_lora_weights.safetensors`` straight from the checkpoint files (no model is loaded), with the
     adapter metadata so that ``lora_alpha`` survives ``load_lora_weights``."""
-    metadata: dict[str, Any] = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
-    kind = detect_kind(config.model.pretrained) if config.model.kind == "auto" else config.model.kind
-    PIPELINE_CLASSES[kind].save_lora_weights(
+    file = Path(checkpoint) / "adapter_config.json"
+    try:
+        metadata: dict[str, Any] = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} cannot be read as JSON ({err}); the checkpoint is damaged") from None
+    PIPELINE_CLASSES[model_kind(config)].save_lora_weights(
         str(out), transformer_lora_layers=read_weights(checkpoint, ema=ema),
         transformer_lora_adapter_metadata=metadata, weight_name=LORA_FILE,
     )  # fmt: skip
@@ -55,21 +290,33 @@ def export_checkpoint(
     merge: bool = False,
     ema: bool = False,
     config: Config | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a diffusers LoRA directory (default) or, with ``merge``, a full pipeline with fused weights."""
+    """Write a diffusers LoRA directory (default) or, with ``merge``, a full pipeline with fused weights.
+
+    Raises ``CheckpointError`` (a ``ValueError``), before writing anything, when the checkpoint does not fit the
+    config's model or ``out`` may not be written (see :func:`check_output_dir`)."""
     checkpoint, out = Path(checkpoint), Path(out)
+    check_checkpoint_dir(checkpoint, ema=ema)
     config = config or run_config(checkpoint)
-    if not merge:
-        out.mkdir(parents=True, exist_ok=True)
-        save_diffusers_lora(config, checkpoint, out, ema=ema)
-        return out
+    check_output_dir(out, overwrite=overwrite, kind="pipeline" if merge else "lora", protected=protected_dirs(config),
+                     keep=[checkpoint])  # fmt: skip
+    check_lora_fits(checkpoint, config, expected_lora_shapes(config), saved_lora_shapes(checkpoint, ema=ema))
+    with atomic_dir(out) as tmp:
+        if not merge:
+            save_diffusers_lora(config, checkpoint, tmp, ema=ema)
+        else:
+            _save_merged(config, checkpoint, tmp, ema=ema)
+    return out
+
+
+def _save_merged(config: Config, checkpoint: Path, out: Path, *, ema: bool) -> None:
     # Merge through diffusers itself: the pipeline loads the exported LoRA, fuses it, and is saved whole.
-    with tempfile.TemporaryDirectory() as tmp:
-        save_diffusers_lora(config, checkpoint, Path(tmp), ema=ema)
+    with tempfile.TemporaryDirectory() as lora_dir:
+        save_diffusers_lora(config, checkpoint, Path(lora_dir), ema=ema)
         m = config.model
         pipe = load_pipeline(m.pretrained, kind=m.kind, dtype=m.dtype, device="cpu")
-        pipe.load_lora_weights(tmp, weight_name=LORA_FILE)
+        pipe.load_lora_weights(lora_dir, weight_name=LORA_FILE)
         pipe.fuse_lora()
         pipe.unload_lora_weights()
     pipe.save_pretrained(str(out), safe_serialization=True)
-    return out

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: noise-free sampling on the test prompts, every configured reward, a grid and a report.
 
-    python scripts/evaluate.py --checkpoint runs/<run>/checkpoints/epoch-00100 [--config cfg.yaml] [--ema]
-        [--out DIR] [key.sub=value ...]          # e.g. eval.num_steps=28 data.test=my_prompts.jsonl
+python scripts/evaluate.py --checkpoint runs/<run>/checkpoints/epoch-00100 [--config cfg.yaml] [--ema]
+    [--out DIR] [--overwrite] [key.sub=value ...]        # e.g. eval.num_steps=28 data.test=my_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--config", help="config YAML (default: the run's config.yaml)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
-    parser.add_argument("--out", help="report directory (default: <checkpoint>/eval)")
+    parser.add_argument("--out", help="report directory (default: <checkpoint>/eval, or <checkpoint>/eval_ema)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -25,18 +26,24 @@ def main(argv: list[str] | None = None) -> int:
     from flowgrpo.config import load_config
     from flowgrpo.data import PromptDataset
     from flowgrpo.evaluation import evaluate, write_report
-    from flowgrpo.export import adapter_from_checkpoint, run_config
+    from flowgrpo.export import adapter_from_checkpoint, atomic_dir, check_output_dir, protected_dirs, run_config
     from rewards import RewardError, build_reward
 
+    checkpoint = Path(args.checkpoint)
+    name = "eval_ema" if args.ema else "eval"
+    out = Path(args.out) if args.out else checkpoint / name
     try:
         overrides = ["run.resume=null", *args.overrides]
-        config = load_config(args.config, overrides) if args.config else run_config(Path(args.checkpoint), overrides)
+        config = load_config(args.config, overrides) if args.config else run_config(checkpoint, overrides)
         if not config.data.test:
             raise ValueError("data.test is not set: pass data.test=<prompt file>")
+        check_output_dir(
+            out, overwrite=args.overwrite, kind="eval", protected=protected_dirs(config), keep=[checkpoint]
+        )
         dataset = PromptDataset.from_file(config.data.test, "data.test")
         reward = build_reward(config.rewards, device=args.device)
-        adapter = adapter_from_checkpoint(config, Path(args.checkpoint), ema=args.ema, device=args.device)
-    except ValueError as err:
+        adapter = adapter_from_checkpoint(config, checkpoint, ema=args.ema, device=args.device)
+    except ValueError as err:  # a bad checkpoint, config, prompt file or --out: nothing was written
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
@@ -44,11 +51,15 @@ def main(argv: list[str] | None = None) -> int:
             adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed,
             progress=True,
         )  # fmt: skip
-    except RewardError as err:
+        # Checked again: evaluation takes a while, and --out may have been filled meanwhile.
+        check_output_dir(
+            out, overwrite=args.overwrite, kind="eval", protected=protected_dirs(config), keep=[checkpoint]
+        )
+        with atomic_dir(out) as tmp:  # the whole report or none of it
+            write_report(tmp, summary, images, prompts, scores, name=name)
+    except (RewardError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval"
-    write_report(out, summary, images, prompts, scores, name="eval_ema" if args.ema else "eval")
     print(json.dumps(summary, indent=2))
     print(f"report: {out}")
     return 0

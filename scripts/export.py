@@ -1,8 +1,9 @@
 """Export a training checkpoint to plain diffusers.
 
-    python scripts/export.py --checkpoint runs/<run>/checkpoints/epoch-00100 --out my-lora      # LoRA directory
-    python scripts/export.py --checkpoint ... --out my-pipeline --merge                        # fused pipeline
-    # then:  pipe = StableDiffusion3Pipeline.from_pretrained(base); pipe.load_lora_weights("my-lora")
+python scripts/export.py --checkpoint runs/<run>/checkpoints/epoch-00100 --out my-lora      # LoRA directory
+python scripts/export.py --checkpoint ... --out my-pipeline --merge                        # fused pipeline
+python scripts/export.py ... --overwrite      # replace an earlier export (never the base model's directory)
+# then:  pipe = StableDiffusion3Pipeline.from_pretrained(base); pipe.load_lora_weights("my-lora")
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true", help="write a full pipeline with the LoRA fused in")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the last ones")
     parser.add_argument("--config", help="config YAML (default: the run's config.yaml)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
     args = parser.parse_args(argv)
 
     from flowgrpo.config import load_config
@@ -25,10 +27,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, ["run.resume=null"]) if args.config else None
-        out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, ema=args.ema, config=config)
-    except ValueError as err:
+        out = export_checkpoint(
+            args.checkpoint, args.out, merge=args.merge, ema=args.ema, config=config, overwrite=args.overwrite
+        )
+    except ValueError as err:  # a bad checkpoint, config or --out: nothing was written
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # disk full, permissions: the partial output was removed
+        print(f"error: writing {args.out} failed: {err}", file=sys.stderr)
+        return 1
     print(f"exported {'merged pipeline' if args.merge else 'LoRA'} to {out}")
     return 0
 

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         trainer = GRPOTrainer(config)
-    except ValueError as err:  # ConfigError, DataError, PipelineLoadError, bad sizes / reward specs
+    except (ValueError, OSError) as err:  # ConfigError, DataError, PipelineLoadError, reward specs; unusable paths
         print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
         return 2
     trainer.accelerator.print(f"run directory: {trainer.run_dir}")
