@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .adapters import ADAPTERS, PipelineAdapter, build_adapter
-from .checkpoint import CheckpointError, load_adapter_weights, read_weights
+from .checkpoint import CheckpointError, check_model_matches, load_adapter_weights, read_weights
 from .config import Config, load_config
 from .pipelines import PIPELINE_CLASSES, TINY_SOURCES, detect_kind, load_pipeline, resolve_source
 
@@ -158,6 +158,7 @@ def adapter_from_checkpoint(
     check_checkpoint_dir(checkpoint, ema=ema)
     # Checked before the model's weights are loaded (gigabytes for real models); loading checks the keys again.
     check_lora_fits(checkpoint, config, expected_lora_shapes(config), saved_lora_shapes(checkpoint, ema=ema))
+    check_model_matches(checkpoint, config)  # same shapes, other meaning: another fine-tune, alpha, targets
     adapter = build_adapter(config.model, device, dtype)
     load_adapter_weights(adapter.pipe.transformer, checkpoint, ema=ema)
     return adapter
@@ -302,6 +303,7 @@ def export_checkpoint(
     check_output_dir(out, overwrite=overwrite, kind="pipeline" if merge else "lora", protected=protected_dirs(config),
                      keep=[checkpoint])  # fmt: skip
     check_lora_fits(checkpoint, config, expected_lora_shapes(config), saved_lora_shapes(checkpoint, ema=ema))
+    check_model_matches(checkpoint, config)  # same shapes, other meaning: another fine-tune, alpha, targets
     with atomic_dir(out) as tmp:
         if not merge:
             save_diffusers_lora(config, checkpoint, tmp, ema=ema)
