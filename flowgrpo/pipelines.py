@@ -93,7 +93,11 @@ def read_model_index(source: str) -> dict[str, Any]:
         index = path / "model_index.json"
         if not index.is_file():
             raise PipelineLoadError(f"{source!r} is a directory but not a diffusers pipeline (no model_index.json)")
-        return json.loads(index.read_text())
+        try:
+            return json.loads(index.read_text())
+        except (ValueError, OSError) as err:
+            why = f"{index} is not a readable model index ({err})"
+            raise PipelineLoadError(f"{why}; repair it or re-download {source!r}") from None
     if path.exists():
         raise PipelineLoadError(f"{source!r} is a file; expected a diffusers pipeline directory or a hub id")
     try:

@@ -487,7 +487,9 @@ class GRPOTrainer:
             write_report(self.run_dir / "eval", summary, images, prompts, scores, name=f"epoch{epoch:05d}")
             metrics = {f"eval/{k}": v for k, v in summary.items()}
             total = summary.get("total")
-            if total is not None and (self.state.best_eval is None or total > self.state.best_eval):
+            # NaN is never a best (NaN != NaN would make every later evaluation a new best, each a checkpoint)
+            finite = total is not None and math.isfinite(total)
+            if finite and (self.state.best_eval is None or total > self.state.best_eval):
                 self.state.best_eval = total
         if acc.num_processes > 1:  # every process must agree on the best (it decides who checkpoints)
             shared = [metrics, self.state.best_eval]

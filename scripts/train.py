@@ -17,7 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=1e-4 run.epochs=3")
     args = parser.parse_args(argv)
 
+    from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import load_config
+    from flowgrpo.parallel import end_process
     from flowgrpo.trainer import GRPOTrainer, TrainingError
     from rewards import RewardError
 
@@ -28,13 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
         return 2
     trainer.accelerator.print(f"run directory: {trainer.run_dir}")
+    code = 0
     try:
         trainer.fit()
-    except (TrainingError, RewardError) as err:  # messages written for people: no traceback
+        trainer.accelerator.print(f"done: {trainer.run_dir}")
+    except (TrainingError, RewardError, CheckpointError) as err:  # messages written for people: no traceback
         print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
-        return 1
-    trainer.accelerator.print(f"done: {trainer.run_dir}")
-    return 0
+        code = 1
+    end_process(trainer.accelerator, code)  # several processes: exit here, before gloo's threads meet teardown
+    return code
 
 
 if __name__ == "__main__":

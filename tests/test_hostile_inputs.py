@@ -59,6 +59,8 @@ def inputs(tmp_path, monkeypatch):
     (folder / "not_utf8.jsonl").write_bytes(b'{"prompt": "\xff"}\n')
     (folder / "not_utf8.yaml").write_bytes(b"run: {name: caf\xe9}\n")
     (folder / "a_directory").mkdir()
+    (folder / "corrupt_pipeline").mkdir()
+    (folder / "corrupt_pipeline" / "model_index.json").write_text("{not json")
     (folder / "hostile_rewards.py").write_text(
         "class NeedsThreshold:\n"
         "    def __init__(self, threshold, device='cpu'):\n"
@@ -95,6 +97,7 @@ BAD_TRAIN_ARGS = [  # (overrides, what the message must name); {in} is the input
     (["data.train={in}/not_utf8.txt"], ["data.train", "not_utf8.txt", "UTF-8"]),
     (["data.test={in}/not_utf8.jsonl"], ["data.test", "not_utf8.jsonl"]),
     (["data.train={in}/a_directory"], ["data.train", "a_directory", "is a directory"]),
+    (["model.pretrained={in}/corrupt_pipeline"], ["corrupt_pipeline/model_index.json", "not a readable model index"]),
 ]
 
 

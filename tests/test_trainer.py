@@ -126,3 +126,15 @@ def test_nonfinite_rewards_drop_their_groups_or_stop_clearly(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
     with pytest.raises(NonFiniteRewardError, match="non-finite"):
         _train(tmp_path, spec, "run.epochs=3", "eval.every=0")
+
+
+def test_a_nan_eval_reward_is_never_a_new_best(tmp_path, monkeypatch):
+    import flowgrpo.trainer as trainer_module
+
+    real = trainer_module.summarize
+    monkeypatch.setattr(trainer_module, "summarize", lambda *a: {**real(*a), "total": float("nan")})
+    trainer, _, _ = _train(tmp_path, "run.epochs=3", "eval.every=1", "checkpoint.every=0", "eval.max_prompts=2")
+    assert trainer.state.best_eval is None and trainer.state.best_checkpoint is None
+    # Only the final checkpoint. Before: NaN became the best, and NaN != NaN made every later evaluation a new
+    # best, each with a checkpoint (epoch-00001, epoch-00002, ...).
+    assert [p.name for p in (trainer.run_dir / "checkpoints").iterdir()] == ["epoch-00003"]
