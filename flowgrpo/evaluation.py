@@ -99,6 +99,9 @@ def image_grid(
     images: Tensor, captions: list[str], columns: int | None = None, caption_height: int = 14
 ) -> Image.Image:
     """A PIL grid of ``[N, 3, H, W]`` images in [0, 1], each with a one-line caption underneath."""
+    scale = max(1, 96 // images.shape[-1])  # small images (32 px) are enlarged, so that captions fit under them
+    if scale > 1:
+        images = torch.nn.functional.interpolate(images.float(), scale_factor=scale, mode="nearest")
     n, _, h, w = images.shape
     columns = columns or max(1, math.ceil(math.sqrt(n)))
     rows = math.ceil(n / columns)
