@@ -521,6 +521,9 @@ class GRPOTrainer:
             if epoch % self.config.run.log_every == 0:
                 shown = {k: metrics[k] for k in ("reward/total/mean", "eval/total", "train/loss", "train/ratio_mean",
                                                  "train/clip_fraction", "train/kl", "train/grad_norm") if k in metrics}
+                # a verifier's held-out accuracies (e.g. eval/shapes/accuracy/exact), without the per-tag ones
+                shown.update({k: v for k, v in metrics.items() if k.startswith("eval/") and "/accuracy/" in k
+                              and "/tag/" not in k})  # fmt: skip
                 acc.print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))  # fmt: skip
 
     def _save_sample_grid(self, trajectory: Trajectory, totals: torch.Tensor, epoch: int) -> None:
