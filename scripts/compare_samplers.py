@@ -120,7 +120,11 @@ def write_report(results: dict[str, list[Path]], args: argparse.Namespace) -> No
     columns = ["exact", "color_count"] + [f"exact/tag/{t}" for t in TAGS]
     header = ["sampler", "exact", "colour+count", *TAGS, "wall s", "calls / image", "trained steps / image"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    base = curve(next(iter(results.values()))[0])[0][1]
+    first_run = next(iter(results.values()))[0]
+    base = curve(first_run)[0][1]
+    images = len(json.loads(sorted((first_run / "eval").glob("epoch*.json"))[0].read_text())["images"])
+    per_tag = images // len(TAGS)
+    overall_se, tag_se = 100 * (0.3 * 0.7 / images) ** 0.5, 100 * (0.5 * 0.5 / per_tag) ** 0.5
     lines.append("| base model (before RL) | " + " | ".join(f"{100 * base[key.format(c)]:.1f}" for c in columns)
                  + " | | | |")  # fmt: skip
     for name, runs in results.items():
@@ -142,6 +146,11 @@ def write_report(results: dict[str, list[Path]], args: argparse.Namespace) -> No
         "excluded.",
         "",
         *lines,
+        "",
+        f"Reading it: each accuracy comes from {images} held-out images ({per_tag} per tag), so one standard error "
+        f"is about {overall_se:.0f} points at 30% overall and {tag_se:.0f} points per tag; differences smaller than "
+        "twice that are noise, and with one seed the spread between seeds is not measured. Calls and trained steps "
+        "are per image per epoch, averaged over the window's positions.",
         "",
         *(f"- **{n}**: {SAMPLERS[n][0]}; overrides `{' '.join(SAMPLERS[n][1]) or '(none)'}`" for n in results),
         "",
