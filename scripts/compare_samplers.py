@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flowgrpo.report import read_metrics  # noqa: E402
+
 # name -> (what it is, overrides of configs/shapes.yaml). Values follow the presets in configs/ (noise levels,
 # window sizes), scaled to the shapes task's 10 steps and short runs.
 SAMPLERS: dict[str, tuple[str, list[str]]] = {
@@ -87,18 +89,16 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> Path:
 
 
 def _last_epoch(run_dir: Path) -> int | None:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+    if not (run_dir / "metrics.jsonl").is_file():
         return None
-    epochs = [json.loads(line).get("epoch") for line in metrics.read_text().splitlines() if line.strip()]
+    epochs = [row.get("epoch") for row in read_metrics(run_dir)]
     return max((e for e in epochs if e is not None), default=None)
 
 
 def curve(run_dir: Path) -> list[tuple[float, dict[str, float]]]:
     """(cumulative training seconds, eval metrics) at each evaluation of a run."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     seconds, points = 0.0, []
-    for row in rows:
+    for row in read_metrics(run_dir):
         seconds += sum(row.get(k, 0.0) for k in ("time/sampling", "time/reward_wait", "time/training"))
         evals = {k.removeprefix("eval/"): v for k, v in row.items() if k.startswith("eval/")}
         if evals:

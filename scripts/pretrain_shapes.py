@@ -66,10 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def training_batch(
-    train_specs: list, rng: np.random.Generator, size: int, dropout: float
+    by_tag: dict[str, list], rng: np.random.Generator, size: int, dropout: float
 ) -> tuple[torch.Tensor, list[str]]:
     """(latents [B, 3, 32, 32], prompts): tags drawn uniformly, then a train prompt of the tag, then a layout."""
-    by_tag = {tag: [s for s in train_specs if s.tag == tag] for tag in TAGS}
     images, prompts = [], []
     for _ in range(size):
         pool = by_tag[TAGS[int(rng.integers(len(TAGS)))]]
@@ -172,6 +171,7 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
 def _pretrain(args: argparse.Namespace, stop_after: int | None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     train_specs, test_specs = split()
+    train_by_tag = {tag: [s for s in train_specs if s.tag == tag] for tag in TAGS}  # grouped once, not per step
     eval_specs = balanced_prompts(test_specs, args.eval_per_tag, seed=args.seed)
     pipe = build_shapes_pipeline(args.seed)
     modules = trainable(pipe)
@@ -200,7 +200,7 @@ def _pretrain(args: argparse.Namespace, stop_after: int | None) -> int:
     for step in bar:
         rng = np.random.default_rng([args.seed, step])
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        x0, prompts = training_batch(train_specs, rng, args.batch_size, args.caption_dropout)
+        x0, prompts = training_batch(train_by_tag, rng, args.batch_size, args.caption_dropout)
         t = torch.sigmoid(torch.randn(args.batch_size, generator=generator))  # logit-normal(0, 1)
         noise = torch.randn(x0.shape, generator=generator)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
