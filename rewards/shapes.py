@@ -16,7 +16,8 @@ triangle's 2/3 down) and how much of the box it fills (square ~1, circle ~pi/4),
 relation of centroids. Scores:
 
     total                   partial credit in [0, 1] (the training signal): mean of per-object count credit
-                            (and the relation), times 1 / (1 + extra objects)
+                            (and the relation), times 1 / (1 + extra objects); with ``count_weight`` w > 0,
+                            (1 - w) x that + w x the mean count credit per named colour and in all (any shape)
     accuracy/exact          1 if every object, count, colour and the relation are right and nothing extra
     accuracy/color_count    1 if the number of objects of each named colour (and in all) is right,
                             ignoring shapes and position (the "colour+count" measure)
@@ -199,12 +200,17 @@ class Verdict:
     color_count: bool
 
 
-def judge(spec: SceneSpec, found: list[Detection]) -> Verdict:
-    """Score detections against a scene spec (see the module docstring for the three measures)."""
+def judge(spec: SceneSpec, found: list[Detection], count_weight: float = 0.0) -> Verdict:
+    """Score detections against a scene spec (see the module docstring for the three measures).
+
+    ``count_weight`` in [0, 1] mixes into the partial credit how well the counts alone are met (per named
+    colour over any shape, and in all), so that a sample with the right number of blobs of each colour but
+    misread shapes earns part of the credit (the colour+count measure, made dense).
+    """
     matches = [[d for d in found if d.shape == o.shape and (o.color is None or d.color == o.color)]
                for o in spec.objects]  # fmt: skip
     pairs = list(zip(matches, spec.objects, strict=True))
-    credits = [1.0 - min(abs(len(m) - o.count), o.count) / o.count for m, o in pairs]
+    credits = [_count_credit(len(m), o.count) for m, o in pairs]
     exact_counts = all(len(m) == o.count for m, o in pairs)
     relation_ok = True
     if spec.relation is not None:
@@ -214,10 +220,18 @@ def judge(spec: SceneSpec, found: list[Detection]) -> Verdict:
     matched = len({id(d) for m in matches for d in m})
     extra = len(found) - matched
     partial = sum(credits) / len(credits) / (1 + extra)
-    color_count = len(found) == wanted and all(
-        sum(d.color == o.color for d in found) == o.count for o in spec.objects if o.color is not None
-    )
+    colored = [o for o in spec.objects if o.color is not None]
+    color_count = len(found) == wanted and all(sum(d.color == o.color for d in found) == o.count for o in colored)
+    if count_weight:
+        counts = [_count_credit(sum(d.color == o.color for d in found), o.count) for o in colored]
+        counts.append(_count_credit(len(found), wanted))
+        partial = (1 - count_weight) * partial + count_weight * sum(counts) / len(counts)
     return Verdict(partial, exact_counts and relation_ok and extra == 0, color_count)
+
+
+def _count_credit(found: int, wanted: int) -> float:
+    """1 for the right count, falling linearly to 0 at ``found`` = 0 or 2 x ``wanted``."""
+    return 1.0 - min(abs(found - wanted), wanted) / wanted
 
 
 @register_reward("shapes")
@@ -228,10 +242,15 @@ class ShapesReward(BaseReward):
     trainer calls it on the prompt files at start-up, before any work.
     """
 
-    def __init__(self, *, max_color_distance: float = 0.35, min_area: int = 12, **options: Any) -> None:
+    def __init__(
+        self, *, max_color_distance: float = 0.35, min_area: int = 12, count_weight: float = 0.0, **options: Any
+    ) -> None:
         super().__init__(**options)
+        if not 0.0 <= count_weight <= 1.0:
+            raise ValueError(f"rewards.shapes: count_weight must lie in [0, 1]; got {count_weight!r}")
         self.max_color_distance = max_color_distance
         self.min_area = min_area
+        self.count_weight = count_weight
 
     def check_prompts(self, prompts: list[str]) -> None:
         for prompt in prompts:
@@ -241,7 +260,7 @@ class ShapesReward(BaseReward):
         pixels = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
         return [
             judge(parse_prompt(p), detect_objects(x, max_color_distance=self.max_color_distance,
-                                                  min_area=self.min_area))
+                                                  min_area=self.min_area), self.count_weight)
             for x, p in zip(pixels, prompts, strict=True)
         ]  # fmt: skip
 

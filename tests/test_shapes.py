@@ -91,6 +91,29 @@ def test_the_verifier_rejects_noise_and_wrong_renders():
     assert not judge(parse_prompt("a yellow circle right of a blue square"), detect_objects(image)).exact
 
 
+def test_count_weight_mixes_colour_and_count_credit_into_the_partial_score():
+    rng = np.random.default_rng(4)
+    spec = parse_prompt("a red square and a green circle")
+    objects = sample_scene(spec, rng)
+    bound = [PlacedObject(o.shape, {"red": "green", "green": "red"}[o.color], o.x, o.y) for o in objects]
+    found = detect_objects(render(bound))
+    # shapes bound to the wrong colours: no strict credit, but each colour's count and the total are right
+    assert judge(spec, found).partial == 0.0
+    assert judge(spec, found, count_weight=0.5).partial == pytest.approx(0.5)
+    assert judge(spec, found, count_weight=1.0).partial == pytest.approx(1.0)
+    # one of three blue circles missing: strict 2/3; counts: blue 2 of 3 (2/3) and total 2 of 3 (2/3)
+    spec = parse_prompt("three blue circles")
+    found = detect_objects(render(sample_scene(spec, rng)[:2]))
+    assert judge(spec, found, count_weight=0.5).partial == pytest.approx(2 / 3)
+    # an extra yellow blob beside "a red circle": strict 1 / (1 + 1); counts: red 1 of 1 (1), total 2 of 1 (0)
+    spec = parse_prompt("a red circle")
+    found = detect_objects(render([PlacedObject("circle", "red", 20, 20), PlacedObject("square", "yellow", 0, 0)]))
+    assert len(found) == 2
+    assert judge(spec, found, count_weight=0.5).partial == pytest.approx(0.5 * 0.5 + 0.5 * 0.5)
+    with pytest.raises(ValueError, match="count_weight"):
+        ShapesReward(count_weight=1.5)
+
+
 def test_shapes_reward_through_the_registry_reports_partial_credit_and_accuracies():
     reward = build_reward({"shapes": 1.0})
     rng = np.random.default_rng(2)
