@@ -21,8 +21,9 @@ trains it; the result ships in ``flowgrpo/assets/shapes-sd3`` and loads as ``mod
 
 from __future__ import annotations
 
+import collections
 import functools
-import json
+import itertools
 
 import torch
 from diffusers import AutoencoderTiny, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -41,21 +42,34 @@ PATCH = 4
 def _word_bpe() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """(vocab, merges) of a CLIP-style BPE in which every word of the grammar is one token.
 
-    Merges are learned by ``tokenizers``' BPE trainer on the task's words (deterministic): replaying a
-    trained merge list reproduces the training words' segmentation, which a hand-made list need not.
+    The merges are learned by plain BPE on the task's words, so that replaying them (as ``CLIPTokenizer``
+    does, lowest rank first) reproduces each word's training segmentation: one token a word. Ties between
+    equally frequent pairs go to the first pair in sorted order, so every process builds the same vocabulary
+    (``tokenizers``' BPE trainer breaks ties by hash order, which differs between processes).
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     words = sorted({w for spec in all_specs() for w in spec.prompt.split()})
+    pieces = [[*word[:-1], word[-1] + "</w>"] for word in words]
+    merges: list[tuple[str, str]] = []
+    while True:
+        counts = collections.Counter(pair for piece in pieces for pair in itertools.pairwise(piece))
+        if not counts:
+            break
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        pieces = [_merge(piece, best) for piece in pieces]
     symbols = list(bytes_to_unicode().values())  # CLIP's byte alphabet, in CLIP's order
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    trainer = trainers.BpeTrainer(vocab_size=10_000, initial_alphabet=symbols, end_of_word_suffix="</w>",
-                                  min_frequency=1, show_progress=False)  # fmt: skip
-    bpe.train_from_iterator(words, trainer)
-    merges = tuple(tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"])
     vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges]
-    return tuple(dict.fromkeys(vocab)) + ("<|startoftext|>", "<|endoftext|>"), merges
+    return tuple(dict.fromkeys(vocab)) + ("<|startoftext|>", "<|endoftext|>"), tuple(merges)
+
+
+def _merge(piece: list[str], pair: tuple[str, str]) -> list[str]:
+    out: list[str] = []
+    for token in piece:
+        if out and (out[-1], token) == pair:
+            out[-1] += token
+        else:
+            out.append(token)
+    return out
 
 
 def shapes_tokenizer() -> CLIPTokenizer:

@@ -41,8 +41,8 @@ from rewards.shapes import TAGS, ShapesReward  # noqa: E402
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=1800, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=4500, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--ema", type=float, default=0.999)
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("runs/pretrain-shapes"), help="checkpoint and logs")
     p.add_argument("--out", type=Path, default=SHAPES_MODEL_DIR, help="where the final pipeline is written")
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=750)
     p.add_argument("--eval-per-tag", type=int, default=16, help="held-out prompts per tag at each evaluation")
     p.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale of the evaluations")
     p.add_argument("--eval-steps", type=int, default=20)

@@ -142,6 +142,24 @@ def test_identity_vae_round_trips_pixels_and_the_tokenizer_keeps_words_whole():
     assert len(tokenizer(longest).input_ids) <= tokenizer.model_max_length
 
 
+def test_the_tokenizer_vocabulary_is_the_same_in_every_process():
+    # Pretraining reproduces its weights only if every process numbers the words alike (tokenizers' BPE
+    # trainer, used before, broke ties in hash order, which differed between processes).
+    import os
+    import subprocess
+    import sys
+
+    from flowgrpo.shapes_model import _word_bpe
+
+    code = "from flowgrpo.shapes_model import _word_bpe; print(repr(_word_bpe()))"
+    outputs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+        for seed in (1, 2, 3)
+    }  # fmt: skip
+    assert outputs == {repr(_word_bpe())}
+
+
 def test_a_prompt_outside_the_grammar_stops_training_before_any_work(tmp_path, capsys):
     import sys
     from pathlib import Path
