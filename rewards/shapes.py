@@ -220,10 +220,10 @@ def judge(spec: SceneSpec, found: list[Detection], count_weight: float = 0.0) ->
     matched = len({id(d) for m in matches for d in m})
     extra = len(found) - matched
     partial = sum(credits) / len(credits) / (1 + extra)
-    colored = [o for o in spec.objects if o.color is not None]
-    color_count = len(found) == wanted and all(sum(d.color == o.color for d in found) == o.count for o in colored)
+    colored = [(sum(d.color == o.color for d in found), o.count) for o in spec.objects if o.color is not None]
+    color_count = len(found) == wanted and all(n == count for n, count in colored)
     if count_weight:
-        counts = [_count_credit(sum(d.color == o.color for d in found), o.count) for o in colored]
+        counts = [_count_credit(n, count) for n, count in colored]
         counts.append(_count_credit(len(found), wanted))
         partial = (1 - count_weight) * partial + count_weight * sum(counts) / len(counts)
     return Verdict(partial, exact_counts and relation_ok and extra == 0, color_count)
