@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from samplers import DIFFUSIONS, KL_CONVENTIONS, SDE_KINDS, SOLVERS, STRATEGIES
+from samplers import DIFFUSIONS, KL_CONVENTIONS, LOG_PROBS, SDE_KINDS, SOLVERS, STRATEGIES
 
 
 class ConfigError(ValueError):
@@ -81,6 +81,8 @@ class WindowConfig:
     max_start: int | None = None  # random: largest start (Flow-GRPO-Fast: about num_steps / 2)
     decay_rate: float = 0.1
     decay_threshold: int = 0
+    per_batch: bool = False  # random only: a new window per rollout batch (Flow-GRPO-Fast); false: one per epoch
+    end_margin: int = 1  # final steps no window reaches: 1 = only the last (default); 2 = MixGRPO's code (skips T-2)
 
 
 @dataclass
@@ -89,6 +91,7 @@ class PostWindowConfig:
 
     solver: str = "euler"  # euler | dpmpp_2m
     ratio: float = 1.0  # fraction of the tail's steps kept (Flash: 0.4 with dpmpp_2m)
+    carry_history: bool = False  # dpmpp_2m: its first step is 2nd order from the last window step's x0 (MixGRPO-Flash)
 
 
 @dataclass
@@ -99,6 +102,12 @@ class SamplerConfig:
     diffusion: flowgrpo (g = a·sqrt(t/(1-t))) | dance (g = a), for euler_maruyama and langevin.
     score_eval: langevin only: frozen (1 network call per step) | reeval (2 calls, true corrector).
     noise_level: a (Flow-GRPO SD3 0.7, FLUX 0.9; DanceGRPO 0.3); 0 gives the deterministic ODE.
+    time_shift: s sets sigmas = s·t / (1 + (s - 1)·t) on t = linspace(1, 0, T + 1) for every resolution, and feeds
+        the network int(1000·sigma), as MixGRPO / DanceGRPO (--shift 3 on FLUX); evaluation always samples with the
+        pipeline's own schedule, as pipe() does.
+    last_step: sde samples the final step (t_next = 0) with the SDE too, as Flow-GRPO's train_sd3.py / train_flux.py;
+        its log-prob is discarded and it is never trained. Only euler_maruyama adds noise there: cps and langevin
+        steps into t_next = 0 are deterministic (std 0), i.e. the ODE step.
     """
 
     kind: str = "euler_maruyama"
@@ -112,6 +121,9 @@ class SamplerConfig:
     window: WindowConfig = field(default_factory=WindowConfig)
     post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
     same_initial_noise: bool = False  # every image of a group starts from the same noise
+    time_shift: float | None = None  # null: pipeline's schedule (as pipe() and eval); s: MixGRPO/DanceGRPO FLUX (3)
+    last_step: str = "ode"  # ode | sde: untrained final step with noise too (Flow-GRPO train_sd3/flux.py; others ode)
+    log_prob: str = "exact"  # exact (Gaussian density) | squared_error (cps only: Flow-GRPO(-Fast)'s -(x'-mean)²)
 
 
 @dataclass
@@ -126,9 +138,12 @@ class DataConfig:
 class AdvantageConfig:
     """``grpo.advantage:`` A = (R - mean_group) / (std + 1e-4), clipped."""
 
-    std: str = "group"  # group | global (std over all rewards of the epoch)
+    std: str = "group"  # group: unbiased std of the group (DanceGRPO, MixGRPO) | global: population std of all the
+    #                     epoch's rewards (np.std, Flow-GRPO's global_std=True)
     clip: float = 5.0  # > 0: advantages are clipped to ±clip
     per_reward: bool = False  # MixGRPO: advantages per reward, summed with the reward weights
+    normalize_weights: bool = False  # per_reward: weights divided by their sum first (MixGRPO); else summed as given
+    std_eps: float = 1.0e-4  # A = (R - mean) / (std + std_eps): Flow-GRPO 1e-4, DanceGRPO / MixGRPO 1e-8
 
 
 @dataclass
@@ -150,6 +165,10 @@ class GRPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     log_prob_reduce: str = "mean"  # mean | sum over latent elements
     shuffle_timesteps: bool = True  # each sample visits its trained steps in a random order
+    timestep_fraction: float = 1.0  # each sample trains a random int(fraction × window) of its steps (DanceGRPO 0.6)
+    drop_zero_advantage: bool = False  # Flow-GRPO: samples with advantage exactly 0 are not trained; the epoch keeps
+    #                                    its number of micro-batches, which shrink (zero-advantage fill-ins pad the
+    #                                    kept count to a multiple of it)
     nan_policy: str = "error"  # non-finite rewards: error | drop (the affected groups get advantage 0)
 
 
@@ -159,6 +178,8 @@ class TrainConfig:
 
     batch_size: int = 8  # samples per training micro-batch, per process
     gradient_accumulation: int = 1  # micro-batches per optimizer step (each contributes all its timesteps)
+    updates_per_epoch: int | None = None  # optimizer steps per inner epoch, whatever the process count (Flow-GRPO 2):
+    #                                       derives gradient_accumulation (which must then stay 1); null: as given
     inner_epochs: int = 1  # passes over each epoch's samples
     lr: float = 3.0e-4
     weight_decay: float = 1.0e-4
@@ -166,7 +187,10 @@ class TrainConfig:
     eps: float = 1.0e-8
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
-    ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9)
+    ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9). Stepped after every micro-batch
+    #                   with the optimizer step count s, as Flow-GRPO's EMAModuleWrapper.step
+    ema_update_every: int = 1  # the EMA moves only when (s + 1) % this == 0 (Flow-GRPO 8)
+    ema_warmup: bool = False  # decay min((1 + s) / (10 + s), ema) (Flow-GRPO); false: ema throughout
 
 
 @dataclass
@@ -178,6 +202,7 @@ class EvalConfig:
     guidance_scale: float = 4.5
     batch_size: int = 8
     max_prompts: int | None = None  # evaluate the first N test prompts (>= 1); null: all of them
+    use_ema: bool = False  # evaluate with the EMA weights (needs train.ema > 0; Flow-GRPO does)
 
 
 @dataclass
@@ -359,6 +384,37 @@ def _one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None
         raise ConfigError(f"{path} must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
 
 
+def _check_recipe_sampler(s: SamplerConfig) -> None:
+    """The sampler's recipe options: each alone, then the settings each one needs."""
+    w = s.window
+    _one_of("sampler.last_step", s.last_step, ("ode", "sde"))
+    _one_of("sampler.log_prob", s.log_prob, LOG_PROBS)
+    _check_range("sampler.time_shift", s.time_shift, 0, low_open=True, why="null: the pipeline's own schedule")
+    _check_range("sampler.window.end_margin", w.end_margin, 1, why="the last step is never in the window")
+    if s.log_prob == "squared_error" and s.kind != "cps":
+        raise ConfigError(
+            f"sampler.log_prob=squared_error is Flow-GRPO's convention for its cps step only, got sampler.kind="
+            f"{s.kind}; set sampler.kind: cps, or sampler.log_prob: exact"
+        )
+    if w.per_batch and w.strategy != "random":
+        raise ConfigError(
+            f"sampler.window.per_batch=true draws a random window for every rollout batch (Flow-GRPO-Fast) and needs "
+            f"sampler.window.strategy: random, got {w.strategy!r}; set the strategy to random or per_batch: false"
+        )
+    if s.last_step == "sde" and s.post_window.solver != "euler":
+        raise ConfigError(
+            f"sampler.last_step=sde replaces the final step by an SDE step, but sampler.post_window.solver="
+            f"{s.post_window.solver} integrates the steps after the window; set post_window.solver: euler, or "
+            "last_step: ode"
+        )
+    if s.post_window.carry_history and s.post_window.solver != "dpmpp_2m":
+        raise ConfigError(
+            f"sampler.post_window.carry_history=true seeds the multistep solver's history and does nothing with "
+            f"sampler.post_window.solver={s.post_window.solver}; set post_window.solver: dpmpp_2m, or "
+            "carry_history: false"
+        )
+
+
 def validate(config: Config, world_size: int = 1) -> None:
     """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes."""
     s, g, t = config.sampler, config.grpo, config.train
@@ -370,6 +426,9 @@ def validate(config: Config, world_size: int = 1) -> None:
     _one_of("sampler.score_eval", s.score_eval, ("frozen", "reeval"))
     _one_of("sampler.window.strategy", s.window.strategy, STRATEGIES)
     _one_of("sampler.post_window.solver", s.post_window.solver, SOLVERS)
+    # Sampler options that reproduce published recipes: time_shift, last_step, log_prob, window.per_batch /
+    # end_margin, post_window.carry_history (choices, ranges and the combinations they need).
+    _check_recipe_sampler(s)
     _one_of("grpo.advantage.std", g.advantage.std, ("group", "global"))
     _one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
     _one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
@@ -391,7 +450,21 @@ def validate(config: Config, world_size: int = 1) -> None:
             f"train.batch_size={t.batch_size} does not divide; pick a divisor of {local}"
         )
     micro_batches = local // t.batch_size * t.inner_epochs
-    if micro_batches % t.gradient_accumulation:
+    if t.updates_per_epoch is not None:
+        per_pass = local // t.batch_size
+        if t.gradient_accumulation != 1:
+            raise ConfigError(
+                f"train.updates_per_epoch={t.updates_per_epoch} derives train.gradient_accumulation from the process "
+                f"count; remove train.gradient_accumulation={t.gradient_accumulation} (or set updates_per_epoch: null)"
+            )
+        if per_pass % t.updates_per_epoch:
+            divisors = [d for d in range(1, per_pass + 1) if per_pass % d == 0]
+            raise ConfigError(
+                f"train.updates_per_epoch={t.updates_per_epoch} must divide the {per_pass} micro-batches each process "
+                f"trains per pass at {world_size} process(es) ({local} samples / train.batch_size {t.batch_size}); "
+                f"valid values here: {divisors}, or change train.batch_size / grpo.groups_per_epoch"
+            )
+    elif micro_batches % t.gradient_accumulation:
         raise ConfigError(
             f"train.gradient_accumulation={t.gradient_accumulation} must divide the {micro_batches} micro-batches each "
             f"process trains per epoch ({local} samples / train.batch_size {t.batch_size} × train.inner_epochs "
@@ -399,6 +472,16 @@ def validate(config: Config, world_size: int = 1) -> None:
         )
     if config.model.resolution % 16:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
+
+
+def accumulation_steps(config: Config, world_size: int) -> int:
+    """Micro-batches per optimizer step at ``world_size`` processes: ``train.gradient_accumulation``, or derived from
+    ``train.updates_per_epoch`` so that the optimizer steps per epoch do not change with the process count."""
+    t = config.train
+    if t.updates_per_epoch is None:
+        return t.gradient_accumulation
+    local = config.grpo.group_size * config.grpo.groups_per_epoch // world_size
+    return local // t.batch_size // t.updates_per_epoch
 
 
 def _check_range(
@@ -438,6 +521,7 @@ def _check_ranges(config: Config) -> None:
         "sampler.window.shift_interval": w.shift_interval, "sampler.window.stride": w.stride,
         "grpo.groups_per_epoch": g.groups_per_epoch, "train.batch_size": t.batch_size,
         "train.gradient_accumulation": t.gradient_accumulation, "train.inner_epochs": t.inner_epochs,
+        "train.ema_update_every": t.ema_update_every,
         "eval.num_steps": e.num_steps, "eval.batch_size": e.batch_size,
         "checkpoint.keep_last": config.checkpoint.keep_last,
     }  # fmt: skip
@@ -455,28 +539,47 @@ def _check_ranges(config: Config) -> None:
     _check_range("model.max_sequence_length", m.max_sequence_length, 1, why="null: the family's default")
     _check_range("model.lora.alpha", m.lora.alpha, 0, low_open=True)
     _check_range("model.lora.dropout", m.lora.dropout, 0, 1, high_open=True)
+    if m.lora.dropout > 0:
+        raise ConfigError(
+            f"model.lora.dropout={m.lora.dropout} is not supported: dropout is active when the loss re-scores the "
+            "samples (training mode) but not when they were sampled, so the on-policy ratio would not be 1 and "
+            "the clipped objective would clip noise; set model.lora.dropout: 0"
+        )
     if s.num_steps < 2:
         raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is always ODE), got {s.num_steps}")
     if s.noise_level < 0 or (s.kind == "cps" and s.noise_level > 1):
         raise ConfigError(f"sampler.noise_level must be >= 0 (<= 1 for cps), got {s.noise_level}")
     _check_range("sampler.kappa", s.kappa, 0, low_open=True, why="Langevin's step cap, κ·t_next")
-    if w.size > s.num_steps - 1 or w.size < 0:
+    trainable = s.num_steps - w.end_margin  # steps a window may cover (window.end_margin checked in validate)
+    if trainable < 1:
+        raise ConfigError(
+            f"sampler.window.end_margin={w.end_margin} leaves no trainable step of sampler.num_steps={s.num_steps}; "
+            f"use num_steps > {w.end_margin} or a smaller end_margin"
+        )
+    if w.size > trainable or w.size < 0:
+        margin = "the last is always ODE" if w.end_margin == 1 else f"window.end_margin={w.end_margin}"
         raise ConfigError(
             f"sampler.window.size={w.size} does not fit sampler.num_steps={s.num_steps}: at most "
-            f"{s.num_steps - 1} steps can be trained (the last is always ODE); set window.size <= {s.num_steps - 1}"
+            f"{trainable} steps can be trained ({margin}); set window.size <= {trainable}"
         )
-    # The window's last possible start: a window of `size` steps must end before the final (ODE) step.
-    last_start = s.num_steps - 1 - (w.size or s.num_steps - 1)
+    # The window's last possible start: a window of `size` steps must end before the final (ODE) step(s).
+    last_start = trainable - (w.size or trainable)
     _check_range("sampler.window.max_start", w.max_start, 0, last_start, why="the window ends before the last step")
     _check_range("sampler.post_window.ratio", s.post_window.ratio, 0, 1, low_open=True)
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size must be >= 2 (advantages compare images of one prompt), got {g.group_size}")
     _check_range("grpo.advantage.clip", g.advantage.clip, 0, low_open=True, why="advantages are clipped to ±clip")
+    _check_range("grpo.advantage.std_eps", g.advantage.std_eps, 0, low_open=True, why="a group of equal rewards")
     _check_range("grpo.clip_range", g.clip_range, 0, 1, low_open=True, high_open=True, why="ratios clip to 1 ± ε")
     _check_range("train.lr", t.lr, 0, low_open=True)
     _check_range("train.eps", t.eps, 0, low_open=True)
     _check_range("train.max_grad_norm", t.max_grad_norm, 0, low_open=True, why="gradient-norm clipping")
     _check_range("train.ema", t.ema, 0, 1, high_open=True)
+    _check_range("train.updates_per_epoch", t.updates_per_epoch, 1, why="null: train.gradient_accumulation as given")
+    _check_range("grpo.timestep_fraction", g.timestep_fraction, 0, 1, low_open=True)
+    if (t.ema_warmup or config.eval.use_ema) and t.ema == 0:
+        key = "train.ema_warmup" if t.ema_warmup else "eval.use_ema"
+        raise ConfigError(f"{key} needs an EMA: set train.ema > 0 (Flow-GRPO 0.9) or {key}: false")
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")
     for i, beta in enumerate(t.betas):

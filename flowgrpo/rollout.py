@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from samplers import Transition, compress_schedule, ode_step, sde_step, solver_step
+from samplers import Transition, compress_schedule, ode_step, sde_step, solver_step, truncated_timesteps
 
 from .adapters import PipelineAdapter, PromptEmbeds
 from .config import SamplerConfig
@@ -26,10 +26,13 @@ class Trajectory:
 
     latents / next_latents: [B, W, *latent]  before / after each of the W window steps
     log_probs:              [B, W]           float32 log-prob of each transition under the sampling policy
-    stds:                   [W]              the transitions' std
-    sigmas / sigmas_next:   [W]              t and t_next of each window step
-    step_indices:           the window's step indices in the (uncompressed) schedule
+    stds:                   [B, W]           the transitions' std
+    sigmas / sigmas_next:   [B, W]           t and t_next of each window step
+    step_indices:           [B, W] long      the window's step indices in the (uncompressed) schedule
     images:                 [B, 3, H, W] in [0, 1] (None when not decoded); final_latents [B, *latent]
+
+    The per-step fields are per sample, so batches sampled with different windows of the same size (a new
+    window per rollout batch, Flow-GRPO-Fast) join into one trajectory.
     """
 
     prompts: list[str]
@@ -41,7 +44,7 @@ class Trajectory:
     stds: Tensor
     sigmas: Tensor
     sigmas_next: Tensor
-    step_indices: list[int]
+    step_indices: Tensor
     t_second: float
     guidance_scale: float
     height: int
@@ -55,14 +58,17 @@ class Trajectory:
 
     @property
     def num_trained_steps(self) -> int:
-        return len(self.step_indices)
+        return self.step_indices.shape[1]
 
     @staticmethod
     def cat(parts: Sequence[Trajectory]) -> Trajectory:
-        """Join rollout batches taken with the same window and schedule into one trajectory."""
+        """Join rollout batches taken with the same schedule and windows of the same size into one trajectory."""
         if not parts:
             raise ValueError("Trajectory.cat needs at least one trajectory")
         first = parts[0]
+        sizes = sorted({p.num_trained_steps for p in parts})
+        if len(sizes) > 1:
+            raise ValueError(f"Trajectory.cat joins batches whose windows have the same size, got sizes {sizes}")
         joined: dict[str, Any] = {}
         for name in _PER_SAMPLE:
             values = [getattr(p, name) for p in parts]
@@ -73,7 +79,7 @@ class Trajectory:
         return replace(first, **joined)
 
     def select(self, index: Tensor | Sequence[int]) -> Trajectory:
-        """The samples ``index`` (a micro-batch), sharing the per-step fields."""
+        """The samples ``index`` (a micro-batch)."""
         index = torch.as_tensor(list(index) if not isinstance(index, Tensor) else index, dtype=torch.long)
         picked: dict[str, Any] = {}
         for name in _PER_SAMPLE:
@@ -87,7 +93,10 @@ class Trajectory:
         return replace(self, **picked)
 
 
-_PER_SAMPLE = ("group_ids", "latents", "next_latents", "log_probs", "final_latents", "images")
+_PER_SAMPLE = (
+    "group_ids", "latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices",
+    "final_latents", "images",
+)  # fmt: skip
 
 
 def _step_kwargs(sampler: SamplerConfig) -> dict[str, Any]:
@@ -96,7 +105,16 @@ def _step_kwargs(sampler: SamplerConfig) -> dict[str, Any]:
         "diffusion": sampler.diffusion,
         "score_eval": sampler.score_eval,
         "kappa": sampler.kappa,
+        "log_prob": sampler.log_prob,
     }
+
+
+def _velocity_fn(adapter: PipelineAdapter, embeds: PromptEmbeds, sampler: SamplerConfig, guidance_scale: float):
+    """``v(x, sigma)`` as the rollout calls it. With ``sampler.time_shift`` the network sees ``int(1000 σ)``, as in
+    MixGRPO's / DanceGRPO's code, while the step maths keeps the exact sigma."""
+    if sampler.time_shift is None:
+        return lambda y, s: adapter.velocity(y, s, embeds, guidance_scale)
+    return lambda y, s: adapter.velocity(y, s, embeds, guidance_scale, timestep=truncated_timesteps(s))
 
 
 @torch.no_grad()
@@ -117,7 +135,9 @@ def rollout(
     noise_seed: int = 0,
     progress: bool = False,
 ) -> Trajectory:
-    """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE."""
+    """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE
+    (the steps after the window: ``sampler.post_window.solver``; the final step: the SDE too, unstored, when
+    ``sampler.last_step == "sde"``). ``sampler.time_shift`` replaces the pipeline's schedule by the static one."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")
@@ -126,12 +146,18 @@ def rollout(
         raise ValueError(f"group_ids must have one id per prompt ({len(prompts)}), got shape {tuple(group_ids.shape)}")
     if window and (window.start < 0 or window.stop > sampler.num_steps - 1):
         raise ValueError(f"window {window} must lie within steps 0..{sampler.num_steps - 2} (the last is ODE)")
+    if sampler.last_step not in ("ode", "sde"):
+        raise ValueError(f"sampler.last_step must be 'ode' or 'sde', got {sampler.last_step!r}")
+    if sampler.last_step == "sde" and sampler.post_window.solver != "euler":
+        raise ValueError("sampler.last_step='sde' needs post_window.solver='euler' (the solver owns the final step)")
     embeds = adapter.encode_prompts(prompts, with_negative=adapter.needs_negative(sampler.guidance_scale))
-    sigmas, _ = adapter.schedule(sampler.num_steps, height, width)
+    sigmas, _ = adapter.schedule(sampler.num_steps, height, width, time_shift=sampler.time_shift)
     t_second = float(sigmas[1])
     after = window.stop if window else 0
-    if sampler.post_window.solver == "dpmpp_2m":
+    multistep = sampler.post_window.solver == "dpmpp_2m"
+    if multistep:
         sigmas = compress_schedule(sigmas, after, sampler.post_window.ratio)
+    final = len(sigmas) - 2  # index of the step into t = 0
     if initial_latents is None:
         x = adapter.initial_noise(
             len(prompts), height, width, generator=generator, group_ids=group_ids,
@@ -144,12 +170,17 @@ def rollout(
         x = initial_latents.to(device=adapter.device, dtype=adapter.dtype)
 
     gs = sampler.guidance_scale
-    velocity_fn = lambda y, s: adapter.velocity(y, s, embeds, gs)  # noqa: E731
+    velocity_fn = _velocity_fn(adapter, embeds, sampler, gs)
+    carry = multistep and sampler.post_window.carry_history
     before, after_, log_probs, stds = [], [], [], []
     history = None  # multistep state of the post-window solver
     for i in tqdm(range(len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
         t, t_next = sigmas[i], sigmas[i + 1]
         v = velocity_fn(x, t)
+        if carry and i < after:
+            # MixGRPO-Flash's DPMState also records the x0 of every step up to the window's end, so the solver's
+            # first step after the window is already second order.
+            history = (x.float() - t.float() * v.float(), torch.as_tensor(t))
         if i in window:
             step = sde_step(
                 sampler.kind, v, x, t, t_next, t_second=t_second, velocity_fn=velocity_fn, generator=generator,
@@ -158,27 +189,36 @@ def rollout(
             before.append(x)
             after_.append(step.sample)
             log_probs.append(step.log_prob)
-            stds.append(step.std.reshape(-1)[0])  # one std per step: the batch shares t
+            std = step.std.float()  # one per step ([]) or per sample ([B, 1, ...])
+            stds.append(std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(prompts)))
             x = step.sample
+        elif i == final and sampler.last_step == "sde":
+            # Flow-GRPO samples its final step with the SDE as well; it is never trained, so nothing is stored.
+            x = sde_step(
+                sampler.kind, v, x, t, t_next, t_second=t_second, velocity_fn=velocity_fn, generator=generator,
+                reduce=log_prob_reduce, **_step_kwargs(sampler),
+            ).sample  # fmt: skip
         elif i >= after:
             x, history = solver_step(sampler.post_window.solver, v, x, t, t_next, history)
         else:
             x = ode_step(v, x, t, t_next)
 
     window_idx = list(window)
+    n = len(prompts)
     latent_shape = tuple(x.shape[1:])
-    stack = lambda items: torch.stack(items, dim=1) if items else x.new_zeros((len(prompts), 0, *latent_shape))  # noqa: E731
+    stack = lambda items: torch.stack(items, dim=1) if items else x.new_zeros((n, 0, *latent_shape))  # noqa: E731
+    per_sample = lambda values: values.unsqueeze(0).repeat(n, 1)  # noqa: E731  [W] -> [B, W]
     return Trajectory(
         prompts=prompts,
         group_ids=group_ids,
         embeds=embeds,
         latents=stack(before),
         next_latents=stack(after_),
-        log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(len(prompts), 0),
-        stds=torch.stack(stds).float() if stds else torch.zeros(0),
-        sigmas=sigmas[window_idx] if window_idx else sigmas[:0],
-        sigmas_next=sigmas[[i + 1 for i in window_idx]] if window_idx else sigmas[:0],
-        step_indices=window_idx,
+        log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(n, 0),
+        stds=torch.stack(stds, dim=1) if stds else torch.zeros(n, 0),
+        sigmas=per_sample(sigmas[window_idx]),
+        sigmas_next=per_sample(sigmas[[i + 1 for i in window_idx]]),
+        step_indices=per_sample(torch.tensor(window_idx, dtype=torch.long)),
         t_second=t_second,
         guidance_scale=gs,
         height=height,
@@ -205,8 +245,7 @@ def evaluate_transitions(
     adapter unless called under ``torch.no_grad()``; wrap in ``adapter.adapter_disabled()`` for the reference.
     """
     x, t, t_next, prev = _stored(trajectory, step)
-    embeds, gs = trajectory.embeds, trajectory.guidance_scale
-    velocity_fn = lambda y, s: adapter.velocity(y, s, embeds, gs)  # noqa: E731
+    velocity_fn = _velocity_fn(adapter, trajectory.embeds, sampler, trajectory.guidance_scale)
     return sde_step(
         sampler.kind, velocity_fn(x, t), x, t, t_next, t_second=trajectory.t_second, velocity_fn=velocity_fn,
         prev_sample=prev, reduce=log_prob_reduce, **_step_kwargs(sampler),
@@ -222,12 +261,12 @@ def stored_log_probs(trajectory: Trajectory, step: int | Tensor) -> Tensor:
 
 def _stored(trajectory: Trajectory, step: int | Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if isinstance(step, int):
-        return (trajectory.latents[:, step], trajectory.sigmas[step], trajectory.sigmas_next[step],
+        return (trajectory.latents[:, step], trajectory.sigmas[:, step], trajectory.sigmas_next[:, step],
                 trajectory.next_latents[:, step])  # fmt: skip
     if step.shape != (len(trajectory),):
         raise ValueError(f"per-sample steps must have shape ({len(trajectory)},), got {tuple(step.shape)}")
     rows = torch.arange(len(trajectory), device=trajectory.latents.device)
     step = step.to(trajectory.latents.device)
-    sigma_step = step.to(trajectory.sigmas.device)
-    return (trajectory.latents[rows, step], trajectory.sigmas[sigma_step], trajectory.sigmas_next[sigma_step],
-            trajectory.next_latents[rows, step])  # fmt: skip
+    sigma_rows, sigma_step = rows.to(trajectory.sigmas.device), step.to(trajectory.sigmas.device)
+    return (trajectory.latents[rows, step], trajectory.sigmas[sigma_rows, sigma_step],
+            trajectory.sigmas_next[sigma_rows, sigma_step], trajectory.next_latents[rows, step])  # fmt: skip

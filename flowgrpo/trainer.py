@@ -33,6 +33,7 @@ from samplers import SlidingWindow, transition_kl
 
 from .adapters import build_adapter
 from .advantages import compute_advantages
+from .batching import kept_samples, micro_batches, trained_count, trained_positions
 from .checkpoint import (
     CheckpointError,
     RunLock,
@@ -47,7 +48,7 @@ from .checkpoint import (
     set_aside_later,
     write_run_config,
 )
-from .config import Config, ConfigError, validate
+from .config import Config, ConfigError, accumulation_steps, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
@@ -88,7 +89,7 @@ def make_window(config: Config) -> SlidingWindow:
     return SlidingWindow(
         config.sampler.num_steps, w.size, strategy=w.strategy, shift_interval=w.shift_interval, stride=w.stride,
         roll_back=w.roll_back, seed=config.run.seed, max_start=w.max_start, decay_rate=w.decay_rate,
-        decay_threshold=w.decay_threshold,
+        decay_threshold=w.decay_threshold, end_margin=w.end_margin,
     )  # fmt: skip
 
 
@@ -131,7 +132,14 @@ class GRPOTrainer:
         self.adapter.transformer, self.optimizer = acc.prepare(self.adapter.transformer, self.optimizer)
         self.params = self.adapter.trainable_parameters()  # the same tensors, whatever wrapper prepare() added
         # After prepare, from the (sharded) parameters the optimizer updates; the same everywhere (seeded init).
-        self.ema = EMA(self.params, config.train.ema) if config.train.ema > 0 else None
+        t = config.train
+        self.ema = EMA(self.params, t.ema, update_every=t.ema_update_every, warmup=t.ema_warmup) if t.ema > 0 else None
+        self.accumulation = accumulation_steps(config, acc.num_processes)  # micro-batches per optimizer step
+        per_pass = config.grpo.group_size * config.grpo.groups_per_epoch // acc.num_processes // t.batch_size
+        acc.print(f"{per_pass // self.accumulation * t.inner_epochs} optimizer steps per epoch at {acc.num_processes} "
+                  f"process(es) (gradient accumulation {self.accumulation}"
+                  + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
+                  + ")")  # fmt: skip
         self.window = make_window(config)
         self.state = TrainState()
         run = config.run
@@ -287,11 +295,16 @@ class GRPOTrainer:
         parts: list[Trajectory] = []
         self.adapter.transformer.eval()
         batches = [plan[i : i + cfg.sampler.batch_size] for i in range(0, len(plan), cfg.sampler.batch_size)]
-        for batch in tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not self._bars):
+        starts: list[int] = []  # each batch's window start, for the metrics
+        for index, batch in enumerate(tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not self._bars)):
             prompts = [self.train_data.prompts[s.prompt_index] for s in batch]
             metadata = [dict(self.train_data.metadata[s.prompt_index]) for s in batch]
+            # Flow-GRPO-Fast: a new random window for every batch, a function of (seed, epoch, global batch index).
+            batch_window = (self.window.steps(epoch, batch=self.rank * len(batches) + index)
+                            if cfg.sampler.window.per_batch else window)  # fmt: skip
+            starts.append(batch_window.start if batch_window else -1)
             traj = rollout(
-                self.adapter, prompts, [s.group_id for s in batch], cfg.sampler, window, self.generator,
+                self.adapter, prompts, [s.group_id for s in batch], cfg.sampler, batch_window, self.generator,
                 height=cfg.model.resolution, width=cfg.model.resolution, log_prob_reduce=cfg.grpo.log_prob_reduce,
                 metadata=metadata, noise_seed=cfg.run.seed,
             )  # fmt: skip
@@ -302,6 +315,7 @@ class GRPOTrainer:
                 scorer.close()
                 return None
         trajectory = Trajectory.cat(parts)
+        window_start = sum(starts) / len(starts) if cfg.sampler.window.per_batch else starts[0]  # mean of the batches'
         timings["time/sampling"] = time.perf_counter() - start
         start = time.perf_counter()
         with scorer:
@@ -322,6 +336,7 @@ class GRPOTrainer:
             advantages_all[keep] = compute_advantages(
                 {k: v[keep] for k, v in gathered.items()}, self.reward.weights, all_group_ids[keep],
                 std=cfg.grpo.advantage.std, clip=cfg.grpo.advantage.clip, per_reward=cfg.grpo.advantage.per_reward,
+                normalize_weights=cfg.grpo.advantage.normalize_weights, eps=cfg.grpo.advantage.std_eps,
             )  # fmt: skip
         n_local = len(trajectory)
         # gather() concatenates in process order, so this process's rows are one contiguous block.
@@ -337,7 +352,7 @@ class GRPOTrainer:
         timings["time/training"] = time.perf_counter() - start
 
         metrics: dict[str, float] = {"epoch": epoch, "global_step": self.state.global_step,
-                                     "window/start": window.start if window else -1, "window/size": len(window),
+                                     "window/start": window_start, "window/size": len(window),
                                      "reward/dropped_groups": dropped}  # fmt: skip
         for k, v in gathered.items():
             finite = v[torch.isfinite(v)]
@@ -359,19 +374,21 @@ class GRPOTrainer:
         if steps == 0:
             return {}
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
-        per_update = steps * cfg.train.gradient_accumulation  # backward passes per optimizer step
+        num_micro = n // cfg.train.batch_size  # the same on every process (validated), also when samples are dropped
+        samples = (kept_samples(advantages, num_micro, shuffle) if cfg.grpo.drop_zero_advantage
+                   else torch.arange(n))  # fmt: skip
+        trained = trained_count(steps, cfg.grpo.timestep_fraction)
+        per_update = trained * self.accumulation  # backward passes per optimizer step
         sums: dict[str, list[float]] = defaultdict(list)
+        sums["trained_samples"].append(float(len(samples)))
         backwards = updates = 0
         for _ in range(cfg.train.inner_epochs):
-            order = torch.randperm(n, generator=shuffle)
-            micro_batches = [order[i : i + cfg.train.batch_size] for i in range(0, n, cfg.train.batch_size)]
-            for mb in tqdm(micro_batches, desc=f"training e{epoch}", leave=False, disable=not self._bars):
+            batches = micro_batches(samples, num_micro, shuffle)
+            for mb in tqdm(batches, desc=f"training e{epoch}", leave=False, disable=not self._bars):
                 sub, adv = trajectory.select(mb), advantages[mb].to(acc.device)
-                if cfg.grpo.shuffle_timesteps:
-                    positions = torch.stack([torch.randperm(steps, generator=shuffle) for _ in range(len(mb))])
-                else:
-                    positions = torch.arange(steps).expand(len(mb), steps)
-                for j in range(steps):
+                positions = trained_positions(len(mb), steps, shuffle, shuffle=cfg.grpo.shuffle_timesteps,
+                                              fraction=cfg.grpo.timestep_fraction)  # fmt: skip
+                for j in range(trained):
                     backwards += 1
                     sync = backwards % per_update == 0
                     acc.sync_gradients = sync  # DeepSpeed reduces and steps inside the backward that ends a cycle
@@ -414,8 +431,6 @@ class GRPOTrainer:
                             self._skip_nonfinite("gradients")
                         else:
                             sums["grad_norm"].append(grad_norm)
-                            if self.ema is not None:
-                                self.ema.update(self.params)
                             self.state.global_step += 1
                             updates += 1
                     # else (DDP, FSDP): every process drops this cycle's gradients alike.
@@ -423,6 +438,8 @@ class GRPOTrainer:
                     if self._agree_to_stop():
                         model.eval()
                         return self._summarize(sums)
+                if self.ema is not None:  # after every micro-batch, with the optimizer step count (as Flow-GRPO)
+                    self.ema.step(self.params, self.state.global_step)
         model.eval()
         return self._summarize(sums)
 
@@ -465,7 +482,8 @@ class GRPOTrainer:
         # The bare model: no DDP collectives in these forwards, so shards of unequal size are fine. FSDP's
         # forwards gather weights (collectives), so there every process runs as many batches.
         self.adapter.clear_prompt_cache()  # as scripts/evaluate.py: test prompts encoded in eval batches
-        with self.adapter.unwrapped():
+        weights = self.ema.applied(self.params) if cfg.eval.use_ema else contextlib.nullcontext()
+        with self.adapter.unwrapped(), weights:
             indices, images, scores = evaluate_shard(
                 self.adapter, self.test_data, self.reward, cfg.eval, resolution=cfg.model.resolution,
                 seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes), equal_batches=self.fsdp,

@@ -6,13 +6,15 @@ Conventions (DESIGN.md §3): t = sigma from 1 (noise) to 0 (data), ``x_t = (1 - 
 
 from ._core import (
     KL_CONVENTIONS,
+    LOG_PROBS,
     Transition,
     gaussian_kl,
     gaussian_log_prob,
     reduce_per_sample,
+    squared_error_log_prob,
     transition_kl,
 )
-from .schedule import calculate_shift, pipeline_schedule
+from .schedule import calculate_shift, pipeline_schedule, static_shift_schedule, time_shift, truncated_timesteps
 from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode, solver_step
 from .steps import (
     DIFFUSIONS,
@@ -31,6 +33,7 @@ from .window import STRATEGIES, SlidingWindow
 __all__ = [
     "DIFFUSIONS",
     "KL_CONVENTIONS",
+    "LOG_PROBS",
     "SDE_KINDS",
     "SOLVERS",
     "STRATEGIES",
@@ -53,5 +56,9 @@ __all__ = [
     "reduce_per_sample",
     "sde_step",
     "solver_step",
+    "squared_error_log_prob",
+    "static_shift_schedule",
+    "time_shift",
     "transition_kl",
+    "truncated_timesteps",
 ]

@@ -15,6 +15,8 @@ from torch import Tensor
 
 Reduce = Literal["mean", "sum", "none"]
 TimeLike = float | Tensor
+LogProb = Literal["exact", "squared_error"]
+LOG_PROBS = ("exact", "squared_error")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -109,6 +111,14 @@ def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor | float, reduce:
     return reduce_per_sample(torch.where(positive, per_element, torch.zeros_like(per_element)), reduce)
 
 
+def squared_error_log_prob(sample: Tensor, mean: Tensor, reduce: Reduce = "mean") -> Tensor:
+    """Flow-GRPO's CPS "log-prob": ``-(sample - mean)²`` reduced per sample, with the Gaussian's ``1 / (2 std²)``
+    factor and every constant dropped (``sde_step_with_logprob``, ``sde_type == 'cps'``: "remove all constants").
+    Not a density; only ratios between two evaluations of the same transition are meaningful."""
+    per_element = -((sample.detach().float() - mean.float()) ** 2)
+    return reduce_per_sample(per_element, reduce)
+
+
 def gaussian_kl(mean_p: Tensor, mean_q: Tensor, std: Tensor | float, reduce: Reduce = "mean") -> Tensor:
     """KL(N(mean_p, std²) ‖ N(mean_q, std²)) = (mean_p - mean_q)² / (2 std²), reduced per sample."""
     std, positive = _safe_std(std, mean_p.device)
@@ -156,12 +166,16 @@ def make_transition(
     generator: torch.Generator | None,
     prev_sample: Tensor | None,
     reduce: Reduce,
+    log_prob: LogProb = "exact",
 ) -> Transition:
     """Draw (or take ``prev_sample``) from ``N(mean, std²)`` and score it.
 
     The log-prob is computed on the sample *after* the cast back to ``x.dtype``, so that re-scoring a
-    stored sample in training reproduces the rollout's log-prob exactly (PPO ratio 1).
+    stored sample in training reproduces the rollout's log-prob exactly (PPO ratio 1). ``log_prob``:
+    ``exact`` (:func:`gaussian_log_prob`) or ``squared_error`` (:func:`squared_error_log_prob`).
     """
+    if log_prob not in LOG_PROBS:
+        raise ValueError(f"log_prob must be one of {LOG_PROBS}, got {log_prob!r}")
     if prev_sample is not None:
         if prev_sample.shape != x.shape:
             raise ValueError(f"prev_sample shape {tuple(prev_sample.shape)} does not match {tuple(x.shape)}")
@@ -169,5 +183,8 @@ def make_transition(
     else:
         z = draw_noise(x, noise, generator)
         sample = (mean.detach() + std * z).to(x.dtype)
-    log_prob = gaussian_log_prob(sample, mean, std, reduce)
-    return Transition(sample=sample, mean=mean, std=std, log_prob=log_prob, flowgrpo_std=flowgrpo_std)
+    if log_prob == "exact":
+        score = gaussian_log_prob(sample, mean, std, reduce)
+    else:
+        score = squared_error_log_prob(sample, mean, reduce)
+    return Transition(sample=sample, mean=mean, std=std, log_prob=score, flowgrpo_std=flowgrpo_std)

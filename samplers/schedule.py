@@ -1,12 +1,14 @@
 """The sigma schedule exactly as diffusers' SD3 / FLUX pipelines set it, so rollouts and ``pipe()`` agree.
 
 Takes any diffusers flow-match scheduler object (duck-typed: ``config``, ``set_timesteps``, ``sigmas``,
-``timesteps``); works on a copy, so the caller's scheduler state is untouched.
+``timesteps``); works on a copy, so the caller's scheduler state is untouched. Also the static shifted
+schedule MixGRPO and DanceGRPO use instead of the pipeline's (:func:`static_shift_schedule`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -64,3 +66,31 @@ def pipeline_schedule(
     else:
         raise ValueError(f"family must be 'sd3' or 'flux', got {family!r}")
     return scheduler.sigmas.to(torch.float32), scheduler.timesteps
+
+
+def time_shift(t: Tensor, shift: float) -> Tensor:
+    """SD3's static shift ``shift · t / (1 + (shift - 1) · t)`` — MixGRPO's and DanceGRPO's ``sd3_time_shift``."""
+    return (shift * t) / (1 + (shift - 1) * t)
+
+
+def truncated_timesteps(sigmas: Tensor | float) -> Tensor:
+    """The network timestep ``int(1000 · σ)`` that MixGRPO and DanceGRPO feed (``timestep_value = int(sigma * 1000)``
+    in their ``run_sample_step``; the FLUX transformer then gets it divided by 1000). float32, truncated toward 0."""
+    return torch.trunc(torch.as_tensor(sigmas, dtype=torch.float32) * 1000)
+
+
+def static_shift_schedule(
+    num_steps: int, shift: float, *, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(sigmas [T + 1], timesteps [T])`` of the static shifted schedule MixGRPO and DanceGRPO sample FLUX with.
+
+    ``sigmas = time_shift(linspace(1, 0, T + 1), shift)`` in float32, computed as their ``sample_reference_model``
+    does (so the values match bit for bit), and ``timesteps = int(1000 · σ)`` (:func:`truncated_timesteps`).
+    Unlike :func:`pipeline_schedule` it ignores the resolution; ``shift = 1`` is the plain linear schedule.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if not (math.isfinite(shift) and shift > 0):
+        raise ValueError(f"the time shift must be a finite number > 0, got {shift}")
+    sigmas = time_shift(torch.linspace(1, 0, num_steps + 1), shift)
+    return sigmas.to(device), truncated_timesteps(sigmas[:-1]).to(device)

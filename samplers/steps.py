@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._core import (
+    LogProb,
     Reduce,
     TimeLike,
     Transition,
@@ -107,11 +108,15 @@ def cps_step(
     generator: torch.Generator | None = None,
     prev_sample: Tensor | None = None,
     reduce: Reduce = "mean",
+    log_prob: LogProb = "exact",
 ) -> Transition:
     """Coefficients-preserving step (Flow-GRPO-Fast / FlowCPS, arXiv:2509.05952).
 
     ``std = t_next · sin(a π / 2)``, ``mean = (1 - t_next) x0_hat + sqrt(t_next² - std²) eps_hat``: the
     re-noised sample keeps the ``(1 - t, t)`` coefficients of the schedule. Exact for point-mass data only.
+    ``log_prob="squared_error"`` scores the sample as Flow-GRPO's code does for CPS, ``-(x' - mean)²`` reduced
+    (no ``1 / (2 std²)``, no constants); ``"exact"`` is the Gaussian log-density. At ``t_next = 0`` the step is
+    deterministic (``std = 0``, ``mean = x0_hat``, the Euler step).
     """
     check_noise_level(noise_level)
     if noise_level > 1:
@@ -122,7 +127,9 @@ def cps_step(
     eps_hat = x32 + (1 - t_) * v32
     std = t_next_ * math.sin(noise_level * math.pi / 2)
     mean = (1 - t_next_) * x0_hat + torch.sqrt(torch.clamp(t_next_**2 - std**2, min=0)) * eps_hat
-    return make_transition(x, mean, std, std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
+    return make_transition(
+        x, mean, std, std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce, log_prob=log_prob
+    )
 
 
 def langevin_step(
@@ -225,15 +232,21 @@ def sde_step(
     generator: torch.Generator | None = None,
     prev_sample: Tensor | None = None,
     reduce: Reduce = "mean",
+    log_prob: LogProb = "exact",
 ) -> Transition:
-    """Dispatch to the step named by a config's ``sampler.kind``; options a kind does not use are ignored."""
+    """Dispatch to the step named by a config's ``sampler.kind``; options a kind does not use are ignored, except
+    ``log_prob="squared_error"``, which only ``cps`` supports."""
     draw = {"noise": noise, "generator": generator, "prev_sample": prev_sample, "reduce": reduce}
+    if log_prob != "exact" and kind != "cps":
+        raise ValueError(
+            f"log_prob={log_prob!r} is Flow-GRPO's convention for the cps step only; use log_prob='exact' with {kind!r}"
+        )
     if kind == "euler_maruyama":
         return euler_maruyama_step(
             v, x, t, t_next, noise_level=noise_level, diffusion=diffusion, t_second=t_second, **draw
         )
     if kind == "cps":
-        return cps_step(v, x, t, t_next, noise_level=noise_level, **draw)
+        return cps_step(v, x, t, t_next, noise_level=noise_level, log_prob=log_prob, **draw)
     if kind == "langevin":
         return langevin_step(
             v, x, t, t_next, noise_level=noise_level, score_eval=score_eval, velocity_fn=velocity_fn,

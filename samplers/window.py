@@ -1,8 +1,9 @@
 """Which steps of the schedule are stochastic and trained (MixGRPO's sliding window, arXiv:2507.21802).
 
 A window is a ``range`` of step indices; every other step is a plain ODE step. The last step
-(index ``num_steps - 1``) is always ODE, so windows never go past ``num_steps - 2``. The window is a
-pure function of the training iteration and the seed, so a resumed run sees the same windows.
+(index ``num_steps - 1``) is always ODE, so windows never go past ``num_steps - 2`` (``num_steps - 1 -
+end_margin`` in general). The window is a pure function of the training iteration (and, for per-batch random
+windows, the rollout batch) and the seed, so a resumed run sees the same windows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class SlidingWindow:
         seed: seeds the ``random`` strategy (together with the iteration).
         max_start: ``random`` only, the largest start (default: the last start where the full window fits).
         decay_rate, decay_threshold: ``decay`` / ``exp_decay``, the ``k`` and ``thr`` of the formulas above.
+        end_margin: final steps no window reaches: 1 (default) keeps only the last step out; MixGRPO's code uses 2
+            (its ``GRPOTrainingStates`` range stops before ``max_timesteps = sampling_steps - 2``).
     """
 
     def __init__(
@@ -48,15 +51,22 @@ class SlidingWindow:
         max_start: int | None = None,
         decay_rate: float = 0.1,
         decay_threshold: int = 0,
+        end_margin: int = 1,
     ) -> None:
-        if num_steps < 2:
-            raise ValueError(f"num_steps must be >= 2 (the last step is always ODE), got {num_steps}")
+        if end_margin < 1:
+            raise ValueError(f"end_margin must be >= 1 (the last step is always ODE), got {end_margin}")
+        if num_steps < end_margin + 1:
+            raise ValueError(
+                f"num_steps must be >= {end_margin + 1} (the last {end_margin} step(s) are never in the window), "
+                f"got {num_steps}"
+            )
+        trainable = num_steps - end_margin
         if size < 0:
             raise ValueError(f"window size must be >= 0 (0 = all steps but the last), got {size}")
-        if size > num_steps - 1:
+        if size > trainable:
             raise ValueError(
-                f"window size {size} exceeds the {num_steps - 1} trainable steps of a {num_steps}-step "
-                f"schedule (the last step is always ODE); use size <= {num_steps - 1} or 0 for all"
+                f"window size {size} exceeds the {trainable} trainable steps of a {num_steps}-step "
+                f"schedule (the last {end_margin} step(s) are always ODE); use size <= {trainable} or 0 for all"
             )
         if strategy not in STRATEGIES:
             raise ValueError(f"window strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -65,14 +75,15 @@ class SlidingWindow:
         if decay_rate < 0:
             raise ValueError(f"decay_rate must be >= 0, got {decay_rate}")
         self.num_steps = num_steps
-        self.size = size or num_steps - 1
+        self.size = size or trainable
         self.strategy = strategy
         self.shift_interval = shift_interval
         self.stride = stride
         self.roll_back = roll_back
         self.seed = seed
-        self.last_index = num_steps - 2  # last step that may be stochastic
-        full_window_max_start = num_steps - 1 - self.size
+        self.end_margin = end_margin
+        self.last_index = num_steps - 1 - end_margin  # last step that may be stochastic
+        full_window_max_start = trainable - self.size
         if max_start is not None and not 0 <= max_start <= full_window_max_start:
             raise ValueError(f"max_start must lie in [0, {full_window_max_start}], got {max_start}")
         self.max_start = full_window_max_start if max_start is None else max_start
@@ -90,15 +101,26 @@ class SlidingWindow:
             return max(1, round(self.shift_interval * math.exp(-self.decay_rate * excess)))
         return self.shift_interval
 
-    def start(self, iteration: int) -> int:
-        """First step index of the window at this training iteration."""
+    def start(self, iteration: int, batch: int | None = None) -> int:
+        """First step index of the window at this training iteration.
+
+        ``batch`` (``random`` only): the window of that rollout batch of the iteration (Flow-GRPO-Fast draws one
+        per batch); batch ``b`` takes the ``b``-th draw of the iteration's generator, so batch 0 has the
+        iteration's window and every value is a pure function of ``(seed, iteration, batch)``.
+        """
         if iteration < 0:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
-        if self.size == self.num_steps - 1:
+        if batch is not None:
+            if self.strategy != "random":
+                raise ValueError(f"per-batch windows need strategy 'random', not {self.strategy!r}")
+            if batch < 0:
+                raise ValueError(f"batch must be >= 0, got {batch}")
+        if self.size == self.num_steps - self.end_margin:
             return 0
         if self.strategy == "random":
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + iteration)
-            return int(torch.randint(0, self.max_start + 1, (1,), generator=generator))
+            draws = torch.randint(0, self.max_start + 1, (1 if batch is None else batch + 1,), generator=generator)
+            return int(draws[-1])
         cycle = sum(self._dwell)
         if self.roll_back:
             iteration %= cycle
@@ -110,13 +132,15 @@ class SlidingWindow:
             iteration -= dwell
         raise AssertionError("unreachable: iteration lies within one cycle")
 
-    def steps(self, iteration: int) -> range:
-        """Step indices sampled with the SDE (and trained) at this iteration; shrinks near the end."""
-        start = self.start(iteration)
+    def steps(self, iteration: int, batch: int | None = None) -> range:
+        """Step indices sampled with the SDE (and trained) at this iteration (and rollout ``batch``, see
+        :meth:`start`); shrinks near the end."""
+        start = self.start(iteration, batch)
         return range(start, min(start + self.size, self.last_index + 1))
 
     def __repr__(self) -> str:
         return (
             f"SlidingWindow(num_steps={self.num_steps}, size={self.size}, strategy={self.strategy!r}, "
-            f"shift_interval={self.shift_interval}, stride={self.stride}, roll_back={self.roll_back})"
+            f"shift_interval={self.shift_interval}, stride={self.stride}, roll_back={self.roll_back}, "
+            f"end_margin={self.end_margin})"
         )

@@ -23,7 +23,7 @@ def test_group_advantages_match_the_formula():
     torch.testing.assert_close(adv, expected)
     glob = group_advantages(rewards, groups, std="global", clip=100.0)
     means = torch.tensor([2.0, 2, 2, 11, 11, 11])
-    torch.testing.assert_close(glob, (rewards - means) / (rewards.std() + 1e-4))
+    torch.testing.assert_close(glob, (rewards - means) / (rewards.std(correction=0) + 1e-4))  # population (np.std)
 
 
 def test_group_advantages_interleaved_groups_clip_and_constant_group():

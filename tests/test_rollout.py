@@ -104,12 +104,12 @@ def test_window_stores_exactly_its_steps_and_mixgrpo_flash_compresses_the_tail(k
         traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
                        height=SIZE, width=SIZE)  # fmt: skip
         assert traj.num_trained_steps == len(window) == traj.latents.shape[1] == traj.next_latents.shape[1]
-        assert traj.step_indices == list(window)
+        assert traj.step_indices.tolist() == [list(window)] * 2
         assert len(calls) == expected_calls
         assert torch.isfinite(traj.images).all()
         if len(window):
             full, _ = adapter.schedule(steps, SIZE, SIZE)
-            torch.testing.assert_close(traj.sigmas, full[list(window)])
+            torch.testing.assert_close(traj.sigmas, full[list(window)].expand(2, -1))
 
 
 def test_shared_initial_noise_within_groups_across_batches(kind):
@@ -131,7 +131,7 @@ def test_lora_trains_only_adapter_weights_and_disabled_adapter_is_the_base_model
     sampler = SamplerConfig(num_steps=4, guidance_scale=GUIDANCE[kind])
     traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, range(0, 3), torch.Generator().manual_seed(0),
                    height=SIZE, width=SIZE)  # fmt: skip
-    x, t = traj.latents[:, 1], traj.sigmas[1]
+    x, t = traj.latents[:, 1], traj.sigmas[:, 1]
     with torch.no_grad():
         base = adapter.velocity(x, t, traj.embeds, traj.guidance_scale)
     adapter.add_lora(rank=4, alpha=8)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from samplers import pipeline_schedule
+from samplers import pipeline_schedule, static_shift_schedule
 
 
 @dataclass
@@ -99,9 +99,19 @@ class PipelineAdapter:
         raise NotImplementedError
 
     def velocity(
-        self, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, guidance_scale: float
+        self,
+        latents: Tensor,
+        sigma: Tensor | float,
+        embeds: PromptEmbeds,
+        guidance_scale: float,
+        *,
+        timestep: Tensor | None = None,
     ) -> Tensor:
-        """Predicted velocity ``v ≈ eps - x0`` in the latents' layout and dtype."""
+        """Predicted velocity ``v ≈ eps - x0`` in the latents' layout and dtype.
+
+        ``timestep`` (scalar or per-sample ``[B]``, on the ``num_train_timesteps`` scale): what the network is fed
+        instead of ``sigma · num_train_timesteps``, e.g. MixGRPO's / DanceGRPO's ``int(1000 σ)``.
+        """
         raise NotImplementedError
 
     def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
@@ -165,16 +175,29 @@ class PipelineAdapter:
     def clear_prompt_cache(self) -> None:
         self._cache.clear()
 
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[Tensor, Tensor]:
-        """``(sigmas [T + 1], timesteps [T])`` exactly as ``pipe(num_inference_steps=num_steps)`` sets them."""
+    def schedule(
+        self, num_steps: int, height: int, width: int, *, time_shift: float | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(sigmas [T + 1], timesteps [T])`` exactly as ``pipe(num_inference_steps=num_steps)`` sets them.
+
+        ``time_shift`` given: MixGRPO's / DanceGRPO's static shifted schedule instead
+        (:func:`samplers.static_shift_schedule`, the same for every resolution and family).
+        """
         self.check_size(height, width)
+        if time_shift is not None:
+            return static_shift_schedule(num_steps, time_shift, device=self.device)
         sigmas, timesteps = pipeline_schedule(
             self.scheduler, num_steps, family=self.family, image_seq_len=self.image_seq_len(height, width),
             device=self.device,
         )
         return sigmas, timesteps
 
-    def _timestep(self, sigma: Tensor | float, batch: int) -> Tensor:
+    def _timestep(self, sigma: Tensor | float, batch: int, timestep: Tensor | None = None) -> Tensor:
+        if timestep is not None:  # given by the caller (see velocity)
+            timestep = torch.as_tensor(timestep, dtype=torch.float32, device=self.device)
+            if timestep.ndim == 1 and timestep.shape[0] != batch:
+                raise ValueError(f"per-sample timestep has {timestep.shape[0]} entries for a batch of {batch}")
+            return timestep.expand(batch)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
         if sigma.ndim == 1 and sigma.shape[0] != batch:
             raise ValueError(f"per-sample sigma has {sigma.shape[0]} entries for a batch of {batch}")

@@ -61,7 +61,13 @@ class FluxAdapter(PipelineAdapter):
         return self._image_ids[length]
 
     def velocity(
-        self, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, guidance_scale: float
+        self,
+        latents: Tensor,
+        sigma: Tensor | float,
+        embeds: PromptEmbeds,
+        guidance_scale: float,
+        *,
+        timestep: Tensor | None = None,
     ) -> Tensor:
         """Guidance-distilled: ``guidance_scale`` goes into the guidance embedding, one forward, no CFG."""
         batch = latents.shape[0]
@@ -69,7 +75,7 @@ class FluxAdapter(PipelineAdapter):
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(batch)
         # As FluxPipeline: the timestep is cast to the latents' dtype, then scaled to [0, 1].
-        timestep = self._timestep(sigma, batch).to(latents.dtype)
+        timestep = self._timestep(sigma, batch, timestep).to(latents.dtype)
         text = embeds.prompt_embeds
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
         return self.transformer(

@@ -45,10 +45,16 @@ class SD3Adapter(PipelineAdapter):
         return embeds, pooled
 
     def velocity(
-        self, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, guidance_scale: float
+        self,
+        latents: Tensor,
+        sigma: Tensor | float,
+        embeds: PromptEmbeds,
+        guidance_scale: float,
+        *,
+        timestep: Tensor | None = None,
     ) -> Tensor:
         """CFG as ``pipe()``: uncond + cond batched in one forward when ``guidance_scale > 1``."""
-        timestep = self._timestep(sigma, latents.shape[0])
+        timestep = self._timestep(sigma, latents.shape[0], timestep)
         cfg = self.needs_negative(guidance_scale)
         if cfg:
             if embeds.negative_embeds is None:
