@@ -39,5 +39,5 @@ def trained_positions(
 
 
 def trained_count(steps: int, fraction: float) -> int:
-    """``max(1, int(fraction · steps))`` of a window's ``steps`` are trained per sample (a tolerance for 0.625·16)."""
-    return max(1, int(fraction * steps + 1e-9))
+    """``max(1, int(fraction · steps))`` of a window's ``steps`` are trained per sample (DanceGRPO's int())."""
+    return max(1, int(fraction * steps))

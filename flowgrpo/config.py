@@ -136,7 +136,7 @@ class DataConfig:
 
 @dataclass
 class AdvantageConfig:
-    """``grpo.advantage:`` A = (R - mean_group) / (std + 1e-4), clipped."""
+    """``grpo.advantage:`` A = (R - mean_group) / (std + std_eps), clipped."""
 
     std: str = "group"  # group: unbiased std of the group (DanceGRPO, MixGRPO) | global: population std of all the
     #                     epoch's rewards (np.std, Flow-GRPO's global_std=True)
@@ -165,7 +165,8 @@ class GRPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     log_prob_reduce: str = "mean"  # mean | sum over latent elements
     shuffle_timesteps: bool = True  # each sample visits its trained steps in a random order
-    timestep_fraction: float = 1.0  # each sample trains a random int(fraction × window) of its steps (DanceGRPO 0.6)
+    timestep_fraction: float = 1.0  # each sample trains int(fraction × window) of its steps: a random subset with
+    #                                 shuffle_timesteps, else the first ones (DanceGRPO 0.6, shuffled)
     drop_zero_advantage: bool = False  # Flow-GRPO: samples with advantage exactly 0 are not trained; the epoch keeps
     #                                    its number of micro-batches, which shrink (zero-advantage fill-ins pad the
     #                                    kept count to a multiple of it)
@@ -577,8 +578,14 @@ def _check_ranges(config: Config) -> None:
     _check_range("train.ema", t.ema, 0, 1, high_open=True)
     _check_range("train.updates_per_epoch", t.updates_per_epoch, 1, why="null: train.gradient_accumulation as given")
     _check_range("grpo.timestep_fraction", g.timestep_fraction, 0, 1, low_open=True)
-    if (t.ema_warmup or config.eval.use_ema) and t.ema == 0:
-        key = "train.ema_warmup" if t.ema_warmup else "eval.use_ema"
+    if g.advantage.normalize_weights and not g.advantage.per_reward:
+        raise ConfigError(
+            "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the total's advantage does "
+            "not depend on the weights' scale); set grpo.advantage.per_reward: true or normalize_weights: false"
+        )
+    if (t.ema_warmup or config.eval.use_ema or t.ema_update_every != 1) and t.ema == 0:
+        key = ("train.ema_warmup" if t.ema_warmup else "eval.use_ema" if config.eval.use_ema
+               else "train.ema_update_every")  # fmt: skip
         raise ConfigError(f"{key} needs an EMA: set train.ema > 0 (Flow-GRPO 0.9) or {key}: false")
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")

@@ -136,7 +136,7 @@ class GRPOTrainer:
         self.ema = EMA(self.params, t.ema, update_every=t.ema_update_every, warmup=t.ema_warmup) if t.ema > 0 else None
         self.accumulation = accumulation_steps(config, acc.num_processes)  # micro-batches per optimizer step
         per_pass = config.grpo.group_size * config.grpo.groups_per_epoch // acc.num_processes // t.batch_size
-        acc.print(f"{per_pass // self.accumulation * t.inner_epochs} optimizer steps per epoch at {acc.num_processes} "
+        acc.print(f"{per_pass * t.inner_epochs // self.accumulation} optimizer steps per epoch at {acc.num_processes} "
                   f"process(es) (gradient accumulation {self.accumulation}"
                   + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
                   + ")")  # fmt: skip
@@ -436,6 +436,8 @@ class GRPOTrainer:
                     # else (DDP, FSDP): every process drops this cycle's gradients alike.
                     self.optimizer.zero_grad(set_to_none=True)
                     if self._agree_to_stop():
+                        if self.ema is not None and j == trained - 1:  # the micro-batch is complete: as below
+                            self.ema.step(self.params, self.state.global_step)
                         model.eval()
                         return self._summarize(sums)
                 if self.ema is not None:  # after every micro-batch, with the optimizer step count (as Flow-GRPO)

@@ -149,6 +149,7 @@ def test_timestep_fraction_matches_dancegrpo():
     assert torch.equal(trained_positions(2, 4, torch.Generator(), shuffle=False, fraction=0.5),
                        torch.tensor([[0, 1], [0, 1]]))  # fmt: skip
     assert trained_count(3, 0.1) == 1
+    assert trained_count(50, 0.58) == int(50 * 0.58) == 28  # int() as DanceGRPO, no rounding up
 
 
 def test_updates_per_epoch_do_not_depend_on_the_process_count():
@@ -232,3 +233,18 @@ def test_eval_uses_ema_weights(tmp_path):
 def test_lora_dropout_is_refused_because_it_breaks_the_onpolicy_ratio():
     with pytest.raises(ConfigError, match="model.lora.dropout=0.05 is not supported.*on-policy ratio"):
         load_config(TINY, ["model.lora.dropout=0.05"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["grpo.advantage.normalize_weights=true"], "only applies to per-reward advantages"),
+        (["train.ema_update_every=8"], "train.ema_update_every needs an EMA"),
+        (["train.ema_warmup=true"], "train.ema_warmup needs an EMA"),
+        (["grpo.timestep_fraction=0"], "grpo.timestep_fraction must lie in"),
+        (["train.updates_per_epoch=0"], "train.updates_per_epoch must be >= 1"),
+    ],
+)
+def test_recipe_options_that_would_do_nothing_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
