@@ -14,7 +14,15 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from samplers import Transition, compress_schedule, ode_step, sde_step, solver_step, truncated_timesteps
+from samplers import (
+    Transition,
+    compress_schedule,
+    mixgrpo_tail_schedule,
+    ode_step,
+    sde_step,
+    solver_step,
+    truncated_timesteps,
+)
 
 from .adapters import PipelineAdapter, PromptEmbeds
 from .config import SamplerConfig
@@ -155,7 +163,9 @@ def rollout(
     t_second = float(sigmas[1])
     after = window.stop if window else 0
     multistep = sampler.post_window.solver == "dpmpp_2m"
-    if multistep:
+    if multistep and sampler.time_shift is not None:  # MixGRPO-Flash's own tail: a new grid, uniform in t
+        sigmas = mixgrpo_tail_schedule(sigmas, after, sampler.post_window.ratio, sampler.time_shift)
+    elif multistep:  # the pipeline's schedule: a subset of its own sigmas
         sigmas = compress_schedule(sigmas, after, sampler.post_window.ratio)
     final = len(sigmas) - 2  # index of the step into t = 0
     if initial_latents is None:

@@ -15,7 +15,7 @@ from ._core import (
     transition_kl,
 )
 from .schedule import calculate_shift, pipeline_schedule, static_shift_schedule, time_shift, truncated_timesteps
-from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode, solver_step
+from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode, mixgrpo_tail_schedule, solver_step
 from .steps import (
     DIFFUSIONS,
     SDE_KINDS,
@@ -51,6 +51,7 @@ __all__ = [
     "integrate_ode",
     "langevin_correction",
     "langevin_step",
+    "mixgrpo_tail_schedule",
     "ode_step",
     "pipeline_schedule",
     "reduce_per_sample",

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._core import TimeLike, as_time, check_step_inputs
+from .schedule import time_shift
 from .steps import ode_step
 
 Solver = Literal["euler", "dpmpp_2m"]
@@ -53,14 +54,8 @@ def dpmpp_2m_step(
     return x_next.to(x.dtype), x0
 
 
-def compress_schedule(sigmas: Tensor, after: int, ratio: float) -> Tensor:
-    """MixGRPO-Flash: keep ``sigmas[: after + 1]`` and thin the tail ``sigmas[after:]`` (down to 0).
-
-    The tail of ``T - after`` steps becomes ``n_post = max(int((T - after) · ratio), 1)`` steps whose
-    sigmas are taken from the original ones at evenly spaced indices (end points kept), so the compressed
-    schedule still ends exactly at 0. ``after`` is the index of the first step after the window
-    (``window.stop``); DESIGN.md writes ``T - last - 1`` with ``last = after - 1``.
-    """
+def _check_tail_args(sigmas: Tensor, after: int, ratio: float) -> int:
+    """The number of steps ``T`` of ``sigmas``, after checking the arguments of a tail compression."""
     if sigmas.ndim != 1:
         raise ValueError(f"sigmas must be 1-D (T + 1 values ending at 0), got shape {tuple(sigmas.shape)}")
     num_steps = sigmas.shape[0] - 1
@@ -68,12 +63,62 @@ def compress_schedule(sigmas: Tensor, after: int, ratio: float) -> Tensor:
         raise ValueError(f"after must lie in [0, {num_steps}], got {after}")
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must lie in (0, 1], got {ratio}")
+    return num_steps
+
+
+def compress_schedule(sigmas: Tensor, after: int, ratio: float) -> Tensor:
+    """MixGRPO-Flash: keep ``sigmas[: after + 1]`` and thin the tail ``sigmas[after:]`` (down to 0).
+
+    The tail of ``T - after`` steps becomes ``n_post = max(int((T - after) · ratio), 1)`` steps whose
+    sigmas are taken from the original ones at evenly spaced indices (end points kept), so the compressed
+    schedule still ends exactly at 0. ``after`` is the index of the first step after the window
+    (``window.stop``); DESIGN.md writes ``T - last - 1`` with ``last = after - 1``.
+
+    This is the rule for the pipelines' own schedules (no ``sampler.time_shift``), which MixGRPO never uses;
+    for the static shifted schedule the rollout follows MixGRPO's construction, :func:`mixgrpo_tail_schedule`.
+    """
+    num_steps = _check_tail_args(sigmas, after, ratio)
     tail_steps = num_steps - after
     if tail_steps == 0:
         return sigmas.clone()
     n_post = max(int(tail_steps * ratio), 1)
     index = torch.linspace(after, num_steps, n_post + 1).round().long()
     return torch.cat([sigmas[:after], sigmas[index]])
+
+
+def mixgrpo_tail_schedule(sigmas: Tensor, after: int, ratio: float, shift: float) -> Tensor:
+    """MixGRPO-Flash's tail for the static shifted schedule (:func:`samplers.static_shift_schedule`).
+
+    As MixGRPO ``fastvideo/utils/sampling_utils.py::run_sample_step`` (``dpm_apply_strategy="post"``), with
+    ``last = after - 1`` the window's last step::
+
+        num_post_steps = int(max((T - last) * ratio, 1))                      # POINTS, not steps
+        post_time_step = linspace(1, 0, T + 1)[last + 1]                       # the UNshifted t
+        post = sd3_time_shift(shift, linspace(post_time_step, 0, num_post_steps))
+        sigmas = cat([sigmas[: last + 1], post])
+
+    i.e. ``num_post_steps - 1`` steps from ``σ_after`` to 0, uniform in the unshifted time and re-shifted.
+    ``post[0] = σ_after`` bit for bit, so the window's steps keep their sigmas; only the tail changes.
+
+    Deviation: where the reference gets ``num_post_steps = 1`` (``(T - last) · ratio < 2``) its schedule ends
+    at ``σ_after`` and never reaches 0; here the tail keeps at least 2 points (one step into 0). ``after = T``
+    (no tail) returns ``sigmas`` unchanged, and ``after = 0`` (no window; the reference would fail) starts the
+    tail at t = 1. For the pipelines' own schedules (no time shift) :func:`compress_schedule` applies instead.
+    """
+    num_steps = _check_tail_args(sigmas, after, ratio)
+    if after == num_steps:
+        return sigmas.clone()
+    last = after - 1
+    num_post_points = max(int(max((num_steps - last) * ratio, 1)), 2)
+    post_time = torch.linspace(1, 0, num_steps + 1)[last + 1].item()
+    # time_shift on CPU float32, as static_shift_schedule computes the sigmas, so post[0] == sigmas[after] exactly
+    post = time_shift(torch.linspace(post_time, 0, num_post_points), shift).to(sigmas.device, sigmas.dtype)
+    if not torch.allclose(post[0], sigmas[after], rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            f"sigmas[{after}] = {float(sigmas[after]):.6g} is not the static shifted schedule's "
+            f"{float(post[0]):.6g} (shift {shift}): mixgrpo_tail_schedule needs static_shift_schedule's sigmas"
+        )
+    return torch.cat([sigmas[:after], post])
 
 
 SolverHistory = tuple[Tensor, Tensor] | None  # (previous x0_hat, previous t) for multistep solvers

@@ -50,10 +50,15 @@ def calls_per_image(config) -> tuple[float, float]:
     """(network calls, trained steps) per image per epoch, averaged over the window's positions.
 
     A call is one transformer forward of one image (CFG's batched pair counts once). Rollout: every step one
-    call, a re-evaluated Langevin step two, the steps after the window ``max(int(tail * ratio), 1)`` calls when
-    a post-window ratio compresses the tail. Training: each trained (window) step one call, two when re-evaluated.
+    call, a re-evaluated Langevin step two, the steps after the window as many calls as the compressed tail has
+    steps when ``post_window.solver`` is dpmpp_2m (the rollout's own schedules: ``compress_schedule``'s
+    ``max(int(tail * ratio), 1)``, or ``mixgrpo_tail_schedule``'s with ``sampler.time_shift``). Training: each
+    trained (window) step one call, two when re-evaluated.
     """
+    import torch
+
     from flowgrpo.trainer import make_window
+    from samplers import compress_schedule, mixgrpo_tail_schedule, static_shift_schedule
 
     sampler = config.sampler
     window = make_window(config)
@@ -63,8 +68,15 @@ def calls_per_image(config) -> tuple[float, float]:
         steps = window.steps(iteration)
         after = steps.stop if len(steps) else 0  # first step after the window (as flowgrpo.rollout)
         tail = sampler.num_steps - after
-        compressed = sampler.post_window.solver == "dpmpp_2m" and tail > 0
-        tail_calls = max(int(tail * sampler.post_window.ratio), 1) if compressed else tail
+        tail_calls = tail
+        if sampler.post_window.solver == "dpmpp_2m" and tail > 0:  # the schedule rollout() builds
+            ratio, shift = sampler.post_window.ratio, sampler.time_shift
+            if shift is None:
+                schedule = compress_schedule(torch.linspace(1, 0, sampler.num_steps + 1), after, ratio)
+            else:
+                full, _ = static_shift_schedule(sampler.num_steps, shift)
+                schedule = mixgrpo_tail_schedule(full, after, ratio, shift)
+            tail_calls = len(schedule) - 1 - after
         rollout = after + tail_calls + (per_sde - 1) * len(steps)
         totals.append(rollout + per_sde * len(steps))
         trained.append(len(steps))

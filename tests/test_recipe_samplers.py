@@ -19,6 +19,7 @@ from samplers import (
     cps_step,
     euler_maruyama_step,
     langevin_step,
+    mixgrpo_tail_schedule,
     ode_step,
     pipeline_schedule,
     sde_step,
@@ -355,8 +356,8 @@ def test_end_margin_two_is_mixgrpo_window(num_steps, size, interval):
 def ref_mixgrpo_flash(velocity, z, sigma_schedule, last_false_index):
     """MixGRPO sampling_utils.py::run_sample_step with dpm_algorithm_type dpmsolver++, dpm_apply_strategy post,
     dpm_solver_order 2, dpm_solver_type midpoint, flow_grpo_sampling, eta 0 (dpm_step, DPMState,
-    dpm_solver_first_order_update, multistep_dpm_solver_second_order_update). Takes the already compressed
-    schedule: the compression itself differs (see the report)."""
+    dpm_solver_first_order_update, multistep_dpm_solver_second_order_update). Takes the already rebuilt schedule
+    (:func:`ref_post_sigma_schedule`)."""
     model_outputs, lower_order_nums = [None, None], 0
 
     def lam(s):
@@ -387,7 +388,110 @@ def ref_mixgrpo_flash(velocity, z, sigma_schedule, last_false_index):
     return z
 
 
-def test_carry_history_is_mixgrpo_flash_solver_state(adapters):
+def ref_post_sigma_schedule(sigma_schedule, determistic, dpm_post_compress_ratio, shift):
+    """MixGRPO sampling_utils.py::run_sample_step, ``dpm_apply_strategy == "post"``: the rebuilt sigma schedule,
+    line by line. Returns ``(sigma_schedule, last_false_index)``."""
+    last_false_index = next((i for i, value in enumerate(reversed(determistic)) if not value), None)
+    if last_false_index is not None:
+        last_false_index = len(determistic) - 1 - last_false_index
+    num_post_steps = int(max((sigma_schedule.size(0) - 1 - last_false_index) * dpm_post_compress_ratio, 1))
+    # rebuild post sigma schedule
+    post_time_step = torch.linspace(1, 0, sigma_schedule.size(0))[last_false_index + 1].item()
+    post_sigma_schedule = torch.linspace(post_time_step, 0, num_post_steps)
+    post_sigma_schedule = ref_sd3_time_shift(shift, post_sigma_schedule)
+    sigma_schedule = torch.cat([sigma_schedule[: last_false_index + 1], post_sigma_schedule], dim=0)
+    return sigma_schedule, last_false_index
+
+
+def _determistic(num_steps, window):
+    """train_grpo_flux.py::sample_reference_model, training_strategy "part": False on the trained steps."""
+    determistic = [True] * num_steps
+    for i in window:
+        determistic[i] = False
+    return determistic
+
+
+@pytest.mark.parametrize("window", [range(0, 4), range(1, 4), range(5, 9), range(10, 14), range(16, 20),
+                                    range(17, 21), range(19, 23)])  # fmt: skip
+def test_time_shift_tail_is_mixgrpo_flash_post_schedule(window):
+    """MixGRPO-Flash (T = 25, shift 3, dpm_post_compress_ratio 0.4): the tail is ``int((T - last) · 0.4)`` points
+    of ``sd3_time_shift(3, linspace(t_{last+1}, 0, n))`` (t unshifted), after the unchanged sigmas up to the window's
+    end; ``compress_schedule``'s rule (a subset of the original sigmas) is another schedule."""
+    steps, shift, ratio = 25, 3.0, 0.4
+    sigma_schedule = ref_sd3_time_shift(shift, torch.linspace(1, 0, steps + 1))
+    expected, last = ref_post_sigma_schedule(sigma_schedule, _determistic(steps, window), ratio, shift)
+    assert last == window.stop - 1
+    full, _ = static_shift_schedule(steps, shift)
+    ours = mixgrpo_tail_schedule(full, window.stop, ratio, shift)
+    assert torch.equal(ours[: window.stop + 1], full[: window.stop + 1])  # the window's steps keep their sigmas
+    assert ours[-1] == 0 and (ours[1:] < ours[:-1]).all()
+    if int((steps - last) * ratio) >= 2:
+        assert torch.equal(ours, expected)
+        if len(expected) - window.stop > 2:  # more than one tail step: not the pipelines' rule
+            assert not torch.equal(ours, compress_schedule(full, window.stop, ratio))
+    else:  # the reference stops at sigma_{last+1} > 0 (num_post_steps = 1); ours takes one more step, into 0
+        assert len(expected) == window.stop + 1 and expected[-1] > 0
+        assert torch.equal(ours, torch.cat([expected, torch.zeros(1)]))
+
+
+def test_time_shift_tail_numbers_and_edges():
+    full, _ = static_shift_schedule(25, 3.0)
+    ours = mixgrpo_tail_schedule(full, 4, 0.4, 3.0)  # window ending at index 3
+    tail = [0.9403, 0.8852, 0.8182, 0.7347, 0.6279, 0.4865, 0.2903, 0.0]  # 8 points: 7 steps instead of 21
+    torch.testing.assert_close(ours[4:], torch.tensor(tail), rtol=0, atol=1e-4)
+    assert len(compress_schedule(full, 4, 0.4)) - 1 - 4 == 8  # the pipelines' rule keeps int(21 · 0.4) steps
+    assert torch.equal(mixgrpo_tail_schedule(full, 25, 0.4, 3.0), full)  # no tail
+    # ratio 1: as many steps as before, on the same grid up to float32 rounding of the second linspace
+    torch.testing.assert_close(mixgrpo_tail_schedule(full, 4, 1.0, 3.0), full, rtol=0, atol=1e-6)
+    # no window (the reference would fail on last_false_index = None): the tail starts at t = 1
+    no_window = mixgrpo_tail_schedule(full, 0, 0.4, 3.0)
+    assert len(no_window) == int(26 * 0.4) and no_window[0] == 1 and no_window[-1] == 0
+    with pytest.raises(ValueError, match="static shifted schedule"):
+        mixgrpo_tail_schedule(static_shift_schedule(25, 2.0)[0], 4, 0.4, 3.0)
+
+
+def _ref_flux_velocity(adapter, embeds, guidance=3.5):
+    """MixGRPO run_sample_step's transformer call: ``timestep_value = int(sigma * 1000)``, fed divided by 1000."""
+    pipe, transformer = adapter.pipe, adapter.pipe.transformer
+    side = math.isqrt(adapter.latent_shape(SIZE, SIZE)[0])  # packed latents: side × side tokens
+    image_ids = pipe._prepare_latent_image_ids(1, side, side, adapter.device, adapter.dtype)
+    text_ids = torch.zeros(embeds.prompt_embeds.shape[1], 3)
+
+    def velocity(z, sigma):
+        timesteps = torch.full([z.shape[0]], int(sigma * 1000), dtype=torch.long)
+        return transformer(hidden_states=z, encoder_hidden_states=embeds.prompt_embeds, timestep=timesteps / 1000,
+                           guidance=torch.full([z.shape[0]], guidance), txt_ids=text_ids,
+                           pooled_projections=embeds.pooled, img_ids=image_ids, return_dict=False)[0]  # fmt: skip
+
+    return velocity
+
+
+@pytest.mark.parametrize("window", [range(0, 4), range(8, 12)])
+def test_carry_history_is_mixgrpo_flash_solver_state(adapters, window):
+    """The whole MixGRPO-Flash rollout (time shift 3, DPM-Solver++(2M) on the rebuilt tail, history carried from
+    the window) against run_sample_step written out, at eta 0."""
+    adapter, steps, shift = adapters["flux"], 25, 3.0
+    latents = _noise(adapter, 2)
+    embeds = adapter.encode_prompts(PROMPTS[:2])
+    sigma_schedule = ref_sd3_time_shift(shift, torch.linspace(1, 0, steps + 1))
+    sigma_schedule, last = ref_post_sigma_schedule(sigma_schedule, _determistic(steps, window), 0.4, shift)
+    with torch.no_grad():
+        expected = ref_mixgrpo_flash(_ref_flux_velocity(adapter, embeds), latents.clone(), sigma_schedule, last)
+
+    def run(carry):
+        post = PostWindowConfig(solver="dpmpp_2m", ratio=0.4, carry_history=carry)
+        sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=3.5, post_window=post,
+                                time_shift=shift)  # fmt: skip
+        return rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
+                       height=SIZE, width=SIZE, initial_latents=latents, decode=False).final_latents  # fmt: skip
+
+    torch.testing.assert_close(run(True), expected, rtol=1e-5, atol=1e-5)
+    assert (run(False) - expected).abs().max() > 1e-3  # first order after the window: not the reference
+
+
+def test_carry_history_on_the_pipeline_schedule_uses_compress_schedule(adapters):
+    """Without a time shift (the pipeline's schedule, which MixGRPO never uses) the tail is ``compress_schedule``'s;
+    the solver and its carried history are the reference's."""
     adapter, steps, window = adapters["flux"], 10, range(1, 4)
     latents = _noise(adapter, 2)
     embeds = adapter.encode_prompts(PROMPTS[:2])
@@ -396,15 +500,36 @@ def test_carry_history_is_mixgrpo_flash_solver_state(adapters):
     with torch.no_grad():
         expected = ref_mixgrpo_flash(lambda y, s: adapter.velocity(y, s, embeds, 3.5), latents.clone(), sigmas,
                                      window.stop - 1)  # fmt: skip
+    post = PostWindowConfig(solver="dpmpp_2m", ratio=0.4, carry_history=True)
+    sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=3.5, post_window=post)
+    got = rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0), height=SIZE,
+                  width=SIZE, initial_latents=latents, decode=False).final_latents  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
-    def run(carry):
-        post = PostWindowConfig(solver="dpmpp_2m", ratio=0.4, carry_history=carry)
-        sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=3.5, post_window=post)
-        return rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
-                       height=SIZE, width=SIZE, initial_latents=latents, decode=False).final_latents  # fmt: skip
 
-    torch.testing.assert_close(run(True), expected, rtol=1e-5, atol=1e-5)
-    assert (run(False) - expected).abs().max() > 1e-3  # first order after the window: not the reference
+def test_mixgrpo_flash_tail_leaves_the_window_and_the_ratio_alone(adapters):
+    """With noise: the rebuilt tail changes only what comes after the window; the stored transitions are those of
+    the Euler tail, at the full schedule's sigmas, and re-score with ratio exactly 1."""
+    adapter, steps, window = adapters["flux"], 25, range(5, 9)
+    latents = _noise(adapter)
+
+    def run(solver):
+        post = PostWindowConfig(solver=solver, ratio=0.4 if solver == "dpmpp_2m" else 1.0,
+                                carry_history=solver == "dpmpp_2m")  # fmt: skip
+        sampler = SamplerConfig(noise_level=0.9, num_steps=steps, guidance_scale=3.5, post_window=post,
+                                time_shift=3.0)  # fmt: skip
+        traj = rollout(adapter, PROMPTS, [0, 0, 1, 1], sampler, window, torch.Generator().manual_seed(3),
+                       height=SIZE, width=SIZE, initial_latents=latents, decode=False)  # fmt: skip
+        return traj, sampler
+
+    flash, sampler = run("dpmpp_2m")
+    euler, _ = run("euler")
+    for name in ("latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices"):
+        assert torch.equal(getattr(flash, name), getattr(euler, name)), name
+    full, _ = static_shift_schedule(steps, 3.0)
+    assert torch.equal(flash.sigmas[0], full[5:9]) and torch.equal(flash.sigmas_next[0], full[6:10])
+    assert not torch.equal(flash.final_latents, euler.final_latents)
+    _rescores_exactly(adapter, flash, sampler)
 
 
 # ------------------------------------------------------------------ configuration
