@@ -41,6 +41,14 @@ def run_config(checkpoint: Path, overrides: list[str] | None = None) -> Config:
     return load_config(path, ["run.resume=null", *(overrides or [])])
 
 
+def ema_hint(config: Config, ema: bool) -> str | None:
+    """A note when the raw weights are asked for but the run chose its checkpoints by its EMA weights' scores."""
+    if ema or not config.eval.use_ema:
+        return None
+    return ("note: this run evaluated (and chose its best checkpoint by) its EMA weights (eval.use_ema); these are the "
+            "last trained weights: pass --ema for the EMA weights")  # fmt: skip
+
+
 def check_checkpoint_dir(checkpoint: Path, *, ema: bool = False) -> None:
     """``checkpoint`` is a directory holding the adapter files export and evaluate read."""
     if not checkpoint.is_dir():

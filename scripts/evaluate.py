@@ -26,7 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     from flowgrpo.config import load_config
     from flowgrpo.data import PromptDataset
     from flowgrpo.evaluation import evaluate, write_report
-    from flowgrpo.export import adapter_from_checkpoint, atomic_dir, check_output_dir, protected_dirs, run_config
+    from flowgrpo.export import (
+        adapter_from_checkpoint,
+        atomic_dir,
+        check_output_dir,
+        ema_hint,
+        protected_dirs,
+        run_config,
+    )
     from rewards import RewardError, build_reward
 
     checkpoint = Path(args.checkpoint)
@@ -37,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides) if args.config else run_config(checkpoint, overrides)
         if not config.data.test:
             raise ValueError("data.test is not set: pass data.test=<prompt file>")
+        if hint := ema_hint(config, args.ema):
+            print(hint, file=sys.stderr)
         check_output_dir(
             out, overwrite=args.overwrite, kind="eval", protected=protected_dirs(config), keep=[checkpoint]
         )

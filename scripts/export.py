@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,10 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from flowgrpo.config import load_config
-    from flowgrpo.export import export_checkpoint
+    from flowgrpo.export import ema_hint, export_checkpoint, run_config
 
     try:
         config = load_config(args.config, ["run.resume=null"]) if args.config else None
+        hint = ema_hint(config or run_config(Path(args.checkpoint)), args.ema)
+        if hint:
+            print(hint, file=sys.stderr)
         out = export_checkpoint(
             args.checkpoint, args.out, merge=args.merge, ema=args.ema, config=config, overwrite=args.overwrite
         )

@@ -248,3 +248,12 @@ def test_lora_dropout_is_refused_because_it_breaks_the_onpolicy_ratio():
 def test_recipe_options_that_would_do_nothing_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+def test_export_and_evaluate_point_at_the_ema_weights_the_run_evaluated():
+    from flowgrpo.export import ema_hint
+
+    with_ema = load_config(TINY, ["train.ema=0.9", "eval.use_ema=true"])
+    assert "pass --ema" in ema_hint(with_ema, ema=False)
+    assert ema_hint(with_ema, ema=True) is None
+    assert ema_hint(load_config(TINY, ["train.ema=0.9"]), ema=False) is None
