@@ -121,6 +121,12 @@ class SamplerConfig:
     window: WindowConfig = field(default_factory=WindowConfig)
     post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
     same_initial_noise: bool = False  # every image of a group starts from the same noise
+    shared_prefix: bool = True  # only active with same_initial_noise and a window starting at step k > 0: the k ODE
+    #                             steps before the window, identical for a group's images (same prompt, same noise),
+    #                             run once per group of the rollout batch (batched over its groups) and fan out to
+    #                             the images at the window; results equal per-image sampling to float tolerance. A
+    #                             group spread over rollout batches or processes computes its prefix once in each
+    #                             batch, for its own rows. false: every image computes its own prefix (benchmarks)
     time_shift: float | None = None  # null: pipeline's schedule (as pipe() and eval); s: MixGRPO/DanceGRPO FLUX (3)
     last_step: str = "ode"  # ode | sde: untrained final step with noise too (Flow-GRPO train_sd3/flux.py; others ode)
     log_prob: str = "exact"  # exact (Gaussian density) | squared_error (cps only: Flow-GRPO(-Fast)'s -(x'-mean)²)
@@ -390,6 +396,8 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
     w = s.window
     _one_of("sampler.last_step", s.last_step, ("ode", "sde"))
     _one_of("sampler.log_prob", s.log_prob, LOG_PROBS)
+    if not isinstance(s.shared_prefix, bool):  # a config built in code skips the loader's type check
+        raise ConfigError(f"sampler.shared_prefix must be true or false, got {s.shared_prefix!r}")
     _check_range("sampler.time_shift", s.time_shift, 0, low_open=True, why="null: the pipeline's own schedule")
     _check_range("sampler.window.end_margin", w.end_margin, 1, why="the last step is never in the window")
     if s.log_prob == "squared_error" and s.kind != "cps":

@@ -145,7 +145,9 @@ def rollout(
 ) -> Trajectory:
     """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE
     (the steps after the window: ``sampler.post_window.solver``; the final step: the SDE too, unstored, when
-    ``sampler.last_step == "sde"``). ``sampler.time_shift`` replaces the pipeline's schedule by the static one."""
+    ``sampler.last_step == "sde"``). ``sampler.time_shift`` replaces the pipeline's schedule by the static one.
+    With ``sampler.same_initial_noise`` and ``sampler.shared_prefix``, the ODE steps before the window run once per
+    group of the batch (its images' latents are identical there) and fan out at the window."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")
@@ -184,7 +186,22 @@ def rollout(
     carry = multistep and sampler.post_window.carry_history
     before, after_, log_probs, stds = [], [], [], []
     history = None  # multistep state of the post-window solver
-    for i in tqdm(range(len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
+    first = 0  # the first step the loop below runs for every row
+    prefix = window.start if window else 0  # the deterministic ODE steps before the window
+    rows = None
+    if sampler.shared_prefix and sampler.same_initial_noise and prefix > 0:
+        rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None)
+    if rows is not None:
+        # Shared prefix: a group's images have the same prompt and noise, so steps 0..k-1 (ODE) give them the same
+        # latents. Run them once per group of this batch, batched over its groups, then fan out at the window.
+        unique, fan_out = rows
+        prefix_fn = _velocity_fn(adapter, embeds.select(unique), sampler, gs)
+        x, history = _ode_steps(prefix_fn, x[unique.to(x.device)], sigmas, prefix, carry)
+        x = x[fan_out.to(x.device)]
+        if history is not None:
+            history = (history[0][fan_out.to(history[0].device)], history[1])
+        first = prefix
+    for i in tqdm(range(first, len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
         t, t_next = sigmas[i], sigmas[i + 1]
         v = velocity_fn(x, t)
         if carry and i < after:
@@ -237,6 +254,39 @@ def rollout(
         images=adapter.decode(x, height, width) if decode else None,
         metadata=list(metadata) if metadata is not None else [],
     )
+
+
+def _prefix_rows(prompts: list[str], group_ids: Tensor, x: Tensor, *, drawn: bool) -> tuple[Tensor, Tensor] | None:
+    """``(unique [U], fan_out [B])`` for a shared prefix: one row per (group, prompt) of the batch, in order of first
+    appearance, and each row's position in ``unique`` (``x[unique][fan_out]`` is ``x``). The rows a group shares must
+    really start identical: checked on the noise itself. ``None`` (no sharing) when a group's rows differ in the
+    caller's ``initial_latents``; with noise drawn here (``same_within_group``) that is a bug and raises."""
+    slots: dict[tuple[int, str], int] = {}
+    fan_out = [slots.setdefault((int(g), p), len(slots)) for g, p in zip(group_ids.tolist(), prompts, strict=True)]
+    first_row: dict[int, int] = {}
+    for i, slot in enumerate(fan_out):
+        first_row.setdefault(slot, i)  # slots are numbered in order of first appearance
+    unique = torch.tensor(list(first_row.values()), dtype=torch.long)
+    fan_out = torch.tensor(fan_out, dtype=torch.long)
+    device = x.device
+    if not torch.equal(x[unique.to(device)][fan_out.to(device)], x):
+        if drawn:
+            raise RuntimeError("same_initial_noise drew different noise for images of one group (shared prefix)")
+        return None
+    return unique, fan_out
+
+
+def _ode_steps(velocity_fn, x: Tensor, sigmas: Tensor, steps: int, carry: bool) -> tuple[Tensor, Any]:
+    """Steps ``0..steps-1`` with the ODE, as the rollout's loop takes them before the window (with ``carry``, the
+    multistep history of MixGRPO-Flash from the last one)."""
+    history = None
+    for i in range(steps):
+        t, t_next = sigmas[i], sigmas[i + 1]
+        v = velocity_fn(x, t)
+        if carry:
+            history = (x.float() - t.float() * v.float(), torch.as_tensor(t))
+        x = ode_step(v, x, t, t_next)
+    return x, history
 
 
 def evaluate_transitions(
