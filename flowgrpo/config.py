@@ -489,8 +489,12 @@ def accumulation_steps(config: Config, world_size: int) -> int:
     t = config.train
     if t.updates_per_epoch is None:
         return t.gradient_accumulation
-    local = config.grpo.group_size * config.grpo.groups_per_epoch // world_size
-    return local // t.batch_size // t.updates_per_epoch
+    return micro_batches_per_pass(config, world_size) // t.updates_per_epoch
+
+
+def micro_batches_per_pass(config: Config, world_size: int) -> int:
+    """Training micro-batches each of ``world_size`` processes runs per pass over the epoch's samples."""
+    return config.grpo.group_size * config.grpo.groups_per_epoch // world_size // config.train.batch_size
 
 
 def _check_range(

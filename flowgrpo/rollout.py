@@ -186,24 +186,23 @@ def rollout(
     carry = multistep and sampler.post_window.carry_history
     before, after_, log_probs, stds = [], [], [], []
     history = None  # multistep state of the post-window solver
-    first = 0  # the first step the loop below runs for every row
     prefix = window.start if window else 0  # the deterministic ODE steps before the window
     rows = None
     if sampler.shared_prefix and sampler.same_initial_noise and prefix > 0:
         rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None)
     if rows is not None:
         # Shared prefix: a group's images have the same prompt and noise, so steps 0..k-1 (ODE) give them the same
-        # latents. Run them once per group of this batch, batched over its groups, then fan out at the window.
+        # latents. The loop runs them once per group of this batch, batched over its groups, and fans out at the window.
         unique, fan_out = rows
         prefix_fn = _velocity_fn(adapter, embeds.select(unique), sampler, gs)
-        x, history = _ode_steps(prefix_fn, x[unique.to(x.device)], sigmas, prefix, carry)
-        x = x[fan_out.to(x.device)]
-        if history is not None:
-            history = (history[0][fan_out.to(history[0].device)], history[1])
-        first = prefix
-    for i in tqdm(range(first, len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
+        x = x[unique.to(x.device)]
+    for i in tqdm(range(len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
         t, t_next = sigmas[i], sigmas[i + 1]
-        v = velocity_fn(x, t)
+        if rows is not None and i == prefix:  # fan out: every image continues from its group's latents
+            x = x[fan_out.to(x.device)]
+            if history is not None:
+                history = (history[0][fan_out.to(history[0].device)], history[1])
+        v = (prefix_fn if rows is not None and i < prefix else velocity_fn)(x, t)
         if carry and i < after:
             # MixGRPO-Flash's DPMState also records the x0 of every step up to the window's end, so the solver's
             # first step after the window is already second order.
@@ -274,19 +273,6 @@ def _prefix_rows(prompts: list[str], group_ids: Tensor, x: Tensor, *, drawn: boo
             raise RuntimeError("same_initial_noise drew different noise for images of one group (shared prefix)")
         return None
     return unique, fan_out
-
-
-def _ode_steps(velocity_fn, x: Tensor, sigmas: Tensor, steps: int, carry: bool) -> tuple[Tensor, Any]:
-    """Steps ``0..steps-1`` with the ODE, as the rollout's loop takes them before the window (with ``carry``, the
-    multistep history of MixGRPO-Flash from the last one)."""
-    history = None
-    for i in range(steps):
-        t, t_next = sigmas[i], sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if carry:
-            history = (x.float() - t.float() * v.float(), torch.as_tensor(t))
-        x = ode_step(v, x, t, t_next)
-    return x, history
 
 
 def evaluate_transitions(

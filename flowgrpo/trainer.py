@@ -48,7 +48,7 @@ from .checkpoint import (
     set_aside_later,
     write_run_config,
 )
-from .config import Config, ConfigError, accumulation_steps, validate
+from .config import Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
@@ -135,7 +135,7 @@ class GRPOTrainer:
         t = config.train
         self.ema = EMA(self.params, t.ema, update_every=t.ema_update_every, warmup=t.ema_warmup) if t.ema > 0 else None
         self.accumulation = accumulation_steps(config, acc.num_processes)  # micro-batches per optimizer step
-        per_pass = config.grpo.group_size * config.grpo.groups_per_epoch // acc.num_processes // t.batch_size
+        per_pass = micro_batches_per_pass(config, acc.num_processes)
         acc.print(f"{per_pass * t.inner_epochs // self.accumulation} optimizer steps per epoch at {acc.num_processes} "
                   f"process(es) (gradient accumulation {self.accumulation}"
                   + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
