@@ -14,18 +14,22 @@ from .base import BaseReward, ModelReward, Reward, RewardError, check_inputs
 from .brightness import Brightness
 from .clip_models import Aesthetic, AestheticMLP, ClipScore, HPSv2, PickScore
 from .combine import CombinedReward, RewardEntry
+from .geneval import GenEvalReward
+from .imagereward import ImageReward
 from .jpeg import JpegCompressibility, JpegIncompressibility
 from .nan_policy import NAN_POLICIES, NonFiniteRewardError, apply_nan_policy
 from .ocr import OcrReward, edit_distance, ocr_score, quoted_text
 from .registry import REWARDS, available_rewards, build_reward, register_reward, resolve_reward
 from .remote import RemoteReward, RemoteRewardError, make_reward_server
 from .shapes import PromptGrammarError, ShapesReward
+from .vlm import VlmReward, VlmRewardError
 
 __all__ = [
-    "Aesthetic", "AestheticMLP", "AsyncReward", "BaseReward", "Brightness", "ClipScore", "CombinedReward", "HPSv2",
-    "JpegCompressibility", "JpegIncompressibility", "ModelReward", "NAN_POLICIES", "NonFiniteRewardError",
-    "OcrReward", "PickScore", "PromptGrammarError", "REWARDS", "RemoteReward", "RemoteRewardError", "Reward",
-    "RewardEntry", "RewardError", "ShapesReward", "apply_nan_policy", "available_rewards", "build_reward",
+    "Aesthetic", "AestheticMLP", "AsyncReward", "BaseReward", "Brightness", "ClipScore", "CombinedReward",
+    "GenEvalReward", "HPSv2", "ImageReward", "JpegCompressibility",
+    "JpegIncompressibility", "ModelReward", "NAN_POLICIES", "NonFiniteRewardError", "OcrReward", "PickScore",
+    "PromptGrammarError", "REWARDS", "RemoteReward", "RemoteRewardError", "Reward", "RewardEntry", "RewardError",
+    "ShapesReward", "VlmReward", "VlmRewardError", "apply_nan_policy", "available_rewards", "build_reward",
     "check_inputs", "edit_distance", "make_reward_server", "ocr_score", "quoted_text", "register_reward",
-    "resolve_reward",
-]
+    "resolve_reward"
+]  # fmt: skip

@@ -12,6 +12,34 @@ Protocol (JSON both ways, standard library only):
 answers every bad request with a 4xx and a message (400 malformed, 408 too slow, 411 no Content-Length, 413 too
 large), checks image sizes from the PNG / ``.npy`` headers before decoding anything (``max_pixels`` per request),
 caps the body (``max_request_mb``) and times out stalled connections (``timeout``).
+
+``protocol: flowgrpo`` calls Flow-GRPO's own reward servers (yifan123/reward-server: ``app_geneval.py`` on :18085,
+``app_deqa.py`` on :18086) unchanged, as Flow-GRPO's ``geneval_score`` / ``deqa_score_remote`` clients do
+(yifan123/flow_grpo ``flow_grpo/rewards.py``):
+
+    POST /   pickle {"images": [JPEG bytes (PIL's default quality, 75)], "meta_datas": [dict], "only_strict": bool,
+                     "prompts": [str]}           (each server reads the keys it needs and ignores the rest)
+    200      pickle {"scores", "rewards", "strict_rewards", "group_rewards", "group_strict_rewards"}   (GenEval)
+             pickle {"outputs": [float]}                                                             (DeQA)
+    500      the server's traceback as text (its last line is shown; not retried)
+
+    rewards:
+      - {name: remote, protocol: flowgrpo, url: "http://127.0.0.1:18085", trust_pickle: true, key: geneval}
+
+Scores: ``total`` (the weighted one) is GenEval's partial score ``scores`` (what Flow-GRPO trains on) or DeQA's
+``outputs``; GenEval's ``strict_rewards`` come as ``strict_accuracy`` and ``group_strict_rewards[tag]`` as
+``<tag>_strict_accuracy``, NaN for images of another tag (the server's -10 placeholder), so the logged mean is the
+tag's accuracy. ``only_strict`` (default true, as Flow-GRPO trains) tells the server to skip GenEval's non-strict
+check; with ``only_strict: false`` its results come too, as ``accuracy`` and ``<tag>_accuracy``. Each image's
+``meta_datas`` entry is its metadata (GenEval's ``tag`` / ``include`` / ``exclude``; the prompt files' jsonl) with
+``prompt`` added, which the GenEval server reads. Flow-GRPO sends 64 images per request (``batch_size: 64``).
+
+Unpickling a reply lets whoever answers run code in this process, so this protocol needs ``trust_pickle: true``
+(refused otherwise) and, by default, a loopback URL (127.0.0.0/8, ::1, localhost): reaching the server over a
+network, where a reply can be forged on the way, needs ``allow_non_loopback: true`` as well. Replies are read by
+an unpickler that builds only plain containers, numbers and strings (what those servers send) and refuses every
+class or function a pickle names, numpy's included, so a reply cannot call code by name; pickle stays a large
+attack surface all the same, hence the opt-ins.
 """
 
 from __future__ import annotations
@@ -20,9 +48,11 @@ import base64
 import contextlib
 import http.client
 import io
+import ipaddress
 import json
 import logging
 import math
+import pickle
 import socket
 import threading
 import time
@@ -42,6 +72,8 @@ from .registry import register_reward
 
 logger = logging.getLogger("rewards.remote")
 IMAGE_FORMATS = ("png", "npz")
+PROTOCOLS = ("json", "flowgrpo")
+FLOWGRPO_JPEG_QUALITY = 75  # PIL's default, what the reference client's img.save(buffer, format="JPEG") uses
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")  # IPv4 server
 _RETRY_STATUS = (502, 503, 504)  # proxies / overloaded servers; a reward's own failure (500) is not retried
 DEFAULT_MAX_PIXELS = 2**25  # per request, all images together: 32 images of 1024² (0.4 GB as float32 RGB)
@@ -172,18 +204,24 @@ def _decode_npz(images: Any, max_pixels: int) -> Tensor:
 class RemoteReward(BaseReward):
     """POSTs each batch to ``url`` and returns the endpoint's scores (all its keys, e.g. ``total`` and parts).
 
-    ``timeout`` (s): wall-clock limit of one attempt, from connecting to the last byte of the reply (a server
-    that drips its reply cannot stretch it); ``retries`` more attempts on connection errors, timeouts and
-    502/503/504, waiting ``backoff * 2**attempt`` s between them; ``deadline`` (s): limit of the whole call, all
-    attempts and waits together (default: what the attempts and waits add up to); ``batch_size`` images per
-    request.
+    ``protocol``: ``json`` (default: ``scripts/reward_server.py``) or ``flowgrpo`` (Flow-GRPO's reward servers, with
+    ``trust_pickle``, ``allow_non_loopback`` and ``only_strict``; see the module docstring); ``image_format`` (json
+    only): ``png`` (default) or ``npz``; ``timeout`` (s): wall-clock limit of one attempt, from connecting to the
+    last byte of the reply (a server that drips its reply cannot stretch it); ``retries`` more attempts on
+    connection errors, timeouts and 502/503/504, waiting ``backoff * 2**attempt`` s between them; ``deadline`` (s):
+    limit of the whole call, all attempts and waits together (default: what the attempts and waits add up to);
+    ``batch_size`` images per request.
     """
 
     def __init__(
         self,
         *,
         url: str,
-        image_format: str = "png",
+        protocol: str = "json",
+        image_format: str | None = None,
+        trust_pickle: bool = False,
+        allow_non_loopback: bool = False,
+        only_strict: bool = True,
         timeout: float = 120.0,
         retries: int = 2,
         backoff: float = 0.5,
@@ -194,6 +232,19 @@ class RemoteReward(BaseReward):
         super().__init__(device="cpu", batch_size=batch_size)
         self.url = url
         self._target = _parse_url(url)
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"remote: protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
+        self.protocol = protocol
+        self._headers = {"Content-Type": "application/json"}
+        if protocol == "flowgrpo":
+            _check_pickle_opt_in(url, self._target, trust_pickle, allow_non_loopback, image_format)
+            if not isinstance(only_strict, bool):
+                raise ValueError(f"remote: only_strict must be true or false; got {only_strict!r}")
+            self._headers = {"Content-Type": "application/octet-stream"}
+        elif trust_pickle or allow_non_loopback:
+            raise ValueError("remote: trust_pickle and allow_non_loopback apply to protocol 'flowgrpo' only")
+        self.only_strict = only_strict
+        image_format = "png" if image_format is None else image_format
         if image_format not in IMAGE_FORMATS:
             raise ValueError(f"remote: image_format must be one of {', '.join(IMAGE_FORMATS)}; got {image_format!r}")
         if not (isinstance(retries, int) and retries >= 0 and _positive(timeout) and _positive(backoff, zero=True)):
@@ -208,6 +259,9 @@ class RemoteReward(BaseReward):
         self.deadline = float(deadline) if deadline is not None else self.timeout * (self.retries + 1) + waits
 
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> dict[str, Tensor]:
+        if self.protocol == "flowgrpo":
+            body = encode_flowgrpo_request(images, prompts, metadata, only_strict=self.only_strict)
+            return flowgrpo_scores(self._post(body), len(prompts), only_strict=self.only_strict, url=self.url)
         body = encode_request(images, prompts, metadata, self.image_format)
         reply = self._post(body)
         scores = reply.get("scores") if isinstance(reply, dict) else None
@@ -237,13 +291,13 @@ class RemoteReward(BaseReward):
                 break
             attempts += 1
             try:
-                status, data = _post_once(self._target, body, min(self.timeout, left))
+                status, data = _post_once(self._target, body, min(self.timeout, left), headers=self._headers)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, garbled
                 last = f"{type(err).__name__}: {err}"
             else:
                 if status == 200:
                     return self._parse_reply(data)
-                detail = _error_detail(data)
+                detail = _traceback_tail(data) if self.protocol == "flowgrpo" else _error_detail(data)
                 if status not in _RETRY_STATUS:
                     raise RemoteRewardError(
                         f"remote reward at {self.url} answered HTTP {status}: {detail}", reward=self.name
@@ -252,16 +306,130 @@ class RemoteReward(BaseReward):
             logger.warning("remote reward %s: attempt %d/%d failed: %s", self.url, attempt + 1, self.retries + 1, last)
         raise RemoteRewardError(
             f"remote reward at {self.url}: no answer after {attempts} attempt(s) ({self.timeout:g} s each, "
-            f"{self.deadline:g} s in all); last error: {last}. Is scripts/reward_server.py running there?",
+            f"{self.deadline:g} s in all); last error: {last}. Is "
+            f"{'the reward server' if self.protocol == 'flowgrpo' else 'scripts/reward_server.py'} running there?",
             reward=self.name,
         )
 
     def _parse_reply(self, data: bytes) -> Any:
+        if self.protocol == "flowgrpo":
+            return load_reply_pickle(data, self.url)
         try:
             return json.loads(data)
         except (ValueError, RecursionError) as err:
             msg = f"remote reward at {self.url} sent invalid JSON: {type(err).__name__}: {err}"
             raise RemoteRewardError(msg, reward=self.name) from err
+
+
+# ---------------------------------------------------------------------------- protocol: flowgrpo
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a URL's hostname) is this machine: ``localhost`` or a loopback address."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it could resolve anywhere
+        return False
+
+
+def _check_pickle_opt_in(
+    url: str, target: urllib.parse.SplitResult, trust_pickle: Any, allow_non_loopback: Any, image_format: Any
+) -> None:
+    if image_format is not None:
+        raise ValueError("remote: image_format does not apply to protocol 'flowgrpo' (it sends JPEG, quality 75)")
+    if trust_pickle is not True:
+        raise ValueError(
+            f"remote: protocol 'flowgrpo' reads the replies of {url} with pickle, and unpickling lets whoever answers "
+            "there run code in this process. Set trust_pickle: true only for a server you run yourself (Flow-GRPO's "
+            "reward-server app_geneval.py / app_deqa.py); scripts/reward_server.py speaks JSON (protocol: json)."
+        )
+    if allow_non_loopback is not True and not is_loopback(target.hostname or ""):
+        raise ValueError(
+            f"remote: protocol 'flowgrpo' is loopback-only by default, and {target.hostname!r} is not a loopback "
+            "address: on a network a forged or tampered pickle reply can run code here. Prefer an SSH tunnel "
+            "(ssh -L 18085:127.0.0.1:18085 host, then url: http://127.0.0.1:18085), or, on a network you trust, set "
+            "allow_non_loopback: true as well."
+        )
+
+
+def encode_flowgrpo_request(
+    images: Tensor, prompts: list[str], metadata: list[dict[str, Any]], *, only_strict: bool = True
+) -> bytes:
+    """The pickled request of Flow-GRPO's reward clients: JPEG bytes at PIL's default quality (75), plus
+    ``meta_datas`` (each with ``prompt``), ``only_strict`` and ``prompts``."""
+    jpegs = []
+    for pixels in to_uint8_hwc(images):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=FLOWGRPO_JPEG_QUALITY)
+        jpegs.append(buffer.getvalue())
+    try:  # plain data only: the server unpickles with its own classes, and a JSON round trip proves there are none
+        meta_datas = [{**m, "prompt": m.get("prompt", p)} for m, p in zip(metadata, prompts, strict=True)]
+        meta_datas = json.loads(json.dumps(meta_datas))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"remote: metadata must be JSON-like data (dicts, lists, strings, numbers) ({err})") from None
+    request = {"images": jpegs, "meta_datas": meta_datas, "only_strict": only_strict, "prompts": list(prompts)}
+    return pickle.dumps(request, protocol=4)  # Python >= 3.4 reads it; the reference server runs 3.10
+
+
+class _ReplyUnpickler(pickle.Unpickler):
+    """Builds plain data only: the dicts, lists, tuples, sets, strings and numbers pickle's own opcodes make, which is
+    all the reference servers send (they turn numpy scores into floats with ``.item()``). Any global a pickle names
+    is refused, numpy's included: a class's ``__setstate__`` receives state that ``find_class`` cannot check (an
+    object-dtype array built from raw bytes reads them as pointers), and a callable can be made to allocate."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"the reply names {module}.{name}; a reward server's reply must be plain data (lists, dicts, numbers, "
+            "strings: send numpy values as floats, e.g. with .tolist() or .item())"
+        )
+
+
+def load_reply_pickle(data: bytes, url: str) -> Any:
+    """A Flow-GRPO reward server's pickled reply, read by the restricted unpickler."""
+    try:
+        return _ReplyUnpickler(io.BytesIO(data)).load()
+    except Exception as err:  # garbled, truncated or refused
+        raise RemoteRewardError(f"remote reward at {url} sent a reply that is not a plain pickle ({err})") from None
+
+
+def flowgrpo_scores(reply: Any, batch: int, *, only_strict: bool = True, url: str = "") -> dict[str, Tensor]:
+    """Score keys from a GenEval reply (``total`` = partial score, ``strict_accuracy``, ``<tag>_strict_accuracy``,
+    and with ``only_strict`` false ``accuracy``, ``<tag>_accuracy``) or a DeQA one (``total`` = ``outputs``)."""
+    if not isinstance(reply, dict):
+        raise RemoteRewardError(f"remote reward at {url}: the reply is a {type(reply).__name__}, not a dict")
+
+    def column(values: Any, what: str) -> Tensor:
+        try:
+            out = torch.as_tensor(np.asarray(values, dtype=np.float64)).reshape(-1)
+        except (TypeError, ValueError) as err:
+            raise RemoteRewardError(f"remote reward at {url}: {what} holds a non-number ({err})") from None
+        if out.numel() != batch:
+            raise RemoteRewardError(f"remote reward at {url}: {what} holds {out.numel()} values for {batch} images")
+        return out
+
+    if "scores" in reply:  # GenEval (app_geneval.py)
+        missing = sorted({"strict_rewards", "group_strict_rewards"} - set(reply))
+        if missing:
+            raise RemoteRewardError(f"remote reward at {url}: GenEval reply without {', '.join(missing)}")
+        parts = [("strict_rewards", "group_strict_rewards", "strict_accuracy")]
+        if not only_strict:  # the server ran the non-strict check too (with only_strict its results are all 0)
+            parts.append(("rewards", "group_rewards", "accuracy"))
+        scores = {"total": column(reply["scores"], "scores")}
+        for flat, grouped, name in parts:
+            scores[name] = column(reply.get(flat), flat)
+            groups = reply.get(grouped)
+            if not isinstance(groups, dict):
+                raise RemoteRewardError(f"remote reward at {url}: {grouped} is not a dict of tag -> values")
+            for tag, values in groups.items():
+                value = column(values, f"{grouped}[{tag!r}]")  # -10: the image has another tag
+                scores[f"{tag}_{name}"] = torch.where(value == -10.0, math.nan, value)
+        return scores
+    if "outputs" in reply:  # DeQA (app_deqa.py), and Flow-GRPO's pickled UnifiedReward server
+        return {"total": column(reply["outputs"], "outputs")}
+    raise RemoteRewardError(
+        f"remote reward at {url}: reply keys {sorted(map(str, reply))}: neither GenEval's (scores, strict_rewards, "
+        "...) nor DeQA's (outputs)"
+    )
 
 
 def _positive(value: Any, *, zero: bool = False) -> bool:
@@ -284,8 +452,10 @@ def _parse_url(url: Any) -> urllib.parse.SplitResult:
     return parts
 
 
-def _post_once(target: urllib.parse.SplitResult, body: bytes, seconds: float) -> tuple[int, bytes]:
-    """One POST, (status, reply body), within ``seconds`` of wall-clock time.
+def _post_once(
+    target: urllib.parse.SplitResult, body: bytes, seconds: float, *, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    """One POST, (status, reply body), within ``seconds`` of wall-clock time; ``headers`` default to JSON's.
 
     A socket timeout bounds each read only, so a server that sends a byte now and then could hold a read loop
     forever; a timer shuts the socket down at the deadline instead, which ends any blocked call at once."""
@@ -311,7 +481,7 @@ def _post_once(target: urllib.parse.SplitResult, body: bytes, seconds: float) ->
         connection.connect()
         sockets.append(connection.sock)  # kept: http.client drops its reference once a reply says it will close
         check_time()
-        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        connection.request("POST", path, body=body, headers=headers or {"Content-Type": "application/json"})
         response = connection.getresponse()
         if response.length is not None and response.length > MAX_REPLY_BYTES:
             raise http.client.HTTPException(f"reply of {response.length} bytes; a reward server's is far smaller")
@@ -326,6 +496,12 @@ def _post_once(target: urllib.parse.SplitResult, body: bytes, seconds: float) ->
     finally:
         timer.cancel()
         connection.close()
+
+
+def _traceback_tail(data: bytes) -> str:
+    """The last line of a Flow-GRPO reward server's error reply (a Python traceback): the exception."""
+    lines = [line for line in data[-4000:].decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1].strip()[:500] if lines else "(empty reply)"
 
 
 def _error_detail(data: bytes) -> str:

@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import re
 import socket
 import struct
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
 import zipfile
@@ -26,6 +28,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from rewards import NonFiniteRewardError, RemoteRewardError, RewardError, build_reward, make_reward_server
+from rewards.base import to_uint8_hwc
 
 ROOT = Path(__file__).resolve().parents[1]
 OPEN_CLIP_TINY = {
@@ -59,7 +62,11 @@ def server_process(*args: str):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "reward_server.py"), "--port", "0", "--log-level", "WARNING", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
     lines: list[str] = []
     found: list[str] = []
@@ -369,3 +376,164 @@ def test_a_dripping_server_cannot_hold_the_client_past_its_deadline():
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+# ---------------------------------------------------------------------------- protocol: flowgrpo (pickle)
+GENEVAL_TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+
+
+def _fake_geneval(images, meta_datas, only_strict):
+    """The shapes of reward_server/gen_eval.py's compute_geneval, with made-up judgements: the partial score is the
+    image's mean brightness, strict correctness is "brighter than 0.5", -10 marks the other tags' columns."""
+    scores, rewards, strict_rewards = [], [], []
+    grouped_rewards, grouped_strict = {k: [] for k in GENEVAL_TAGS}, {k: [] for k in GENEVAL_TAGS}
+    for image, metadata in zip(images, meta_datas, strict=True):
+        assert metadata["prompt"] and metadata["include"]  # the reference server reads both (KeyError otherwise)
+        score = float(np.asarray(image, dtype=np.float64).mean() / 255)
+        strict = 1.0 if score > 0.5 else 0.0
+        correct = 0.0 if only_strict else strict
+        scores.append(score), rewards.append(correct), strict_rewards.append(strict)
+        for key in GENEVAL_TAGS:
+            grouped_strict[key].append(strict if key == metadata["tag"] else -10.0)
+            grouped_rewards[key].append(correct if key == metadata["tag"] else -10.0)
+    return scores, rewards, strict_rewards, grouped_rewards, grouped_strict
+
+
+@contextmanager
+def reference_server(kind="geneval"):
+    """A stand-in for yifan123/reward-server's app_geneval.py / app_deqa.py: the request decoded as they decode it
+    (pickle, JPEG images), the reply pickled the way they pickle it, a traceback with HTTP 500 on any error."""
+    state = {"requests": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            if self.path != "/":  # Flask's route("/", methods=["POST"])
+                self.send_error(404)
+                return
+            data = self.rfile.read(int(self.headers["Content-Length"]))
+            try:
+                data = pickle.loads(data)
+                state["requests"].append(data)
+                images = [Image.open(io.BytesIO(d), formats=["jpeg"]) for d in data["images"]]
+                if kind == "geneval":
+                    meta_datas = data["meta_datas"]
+                    only_strict = data["only_strict"]
+                    scores, rewards, strict_rewards, group_rewards, group_strict_rewards = _fake_geneval(
+                        images, meta_datas, only_strict
+                    )
+                    response = {"scores": scores, "rewards": rewards, "strict_rewards": strict_rewards}
+                    response.update(group_rewards=group_rewards, group_strict_rewards=group_strict_rewards)
+                elif kind == "deqa":  # app_deqa.py: score = [sc.item() for sc in score]
+                    response = {"outputs": [np.float32(np.asarray(i).mean() / 255 / 5).item() for i in images]}
+                elif kind == "numpy":  # numpy scalars: plain data only is accepted
+                    response = {"outputs": [np.float32(0.5) for _ in images]}
+                elif kind == "object_array":  # an object-dtype array whose raw bytes would be read as pointers
+                    response = {"outputs": np.array([0.5, 0.25], dtype=object)}
+                elif kind == "crash":
+                    raise RuntimeError("CUDA out of memory")
+                else:  # a reply that would run code if unpickled naively
+                    response = _Evil()
+                response, code = pickle.dumps(response), 200
+            except Exception:
+                response, code = traceback.format_exc().encode("utf-8"), 500
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(response)))
+            self.end_headers()
+            self.wfile.write(response)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (eval, ("1 + 1",))  # harmless here; os.system in a real attack
+
+
+GENEVAL_META = [
+    {"tag": "counting", "include": [{"class": "cat", "count": 2}]},
+    {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]},
+    {"tag": "counting", "include": [{"class": "dog", "count": 3}]},
+]
+
+
+def test_flowgrpo_protocol_talks_to_the_reference_geneval_server():
+    images = torch.stack([torch.full((3, 32, 32), v) for v in (0.8, 0.2, 0.3)])
+    prompts = ["a photo of two cats", "a photo of a red car", "a photo of three dogs"]
+    with reference_server("geneval") as (url, state):
+        spec = {"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True, "key": "geneval",
+                "batch_size": 2}  # fmt: skip
+        out = build_reward([spec])(images, prompts, GENEVAL_META)
+        full = build_reward([{**spec, "only_strict": False}])(images[:1], prompts[:1], GENEVAL_META[:1])
+    first, second = state["requests"][:2]
+    assert [len(r["images"]) for r in state["requests"]] == [2, 1, 1]  # batch_size images per request
+    assert first["only_strict"] is True and state["requests"][2]["only_strict"] is False
+    assert first["meta_datas"][0] == {**GENEVAL_META[0], "prompt": prompts[0]} and first["prompts"] == prompts[:2]
+    for request, offset in ((first, 0), (second, 2)):  # the bytes the reference client's img.save(b, "JPEG") makes
+        for index, jpeg in enumerate(request["images"]):
+            buffer = io.BytesIO()
+            Image.fromarray(to_uint8_hwc(images[offset + index : offset + index + 1])[0]).save(buffer, format="JPEG")
+            assert jpeg == buffer.getvalue()
+    brightness = [
+        float(np.asarray(Image.open(io.BytesIO(j)), dtype=np.float64).mean() / 255)
+        for r in state["requests"][:2]
+        for j in r["images"]
+    ]
+    assert torch.allclose(out["geneval"], torch.tensor(brightness))  # the partial score is the weighted one
+    assert out["geneval/strict_accuracy"].tolist() == [1.0, 0.0, 0.0] and "geneval/accuracy" not in out
+    counting, colors = out["geneval/counting_strict_accuracy"], out["geneval/colors_strict_accuracy"]
+    assert counting[0] == 1.0 and counting[2] == 0.0 and torch.isnan(counting[1])  # -10: another tag -> NaN
+    assert torch.isnan(colors[[0, 2]]).all() and colors[1] == 0.0
+    assert torch.isnan(out["geneval/position_strict_accuracy"]).all()
+    assert torch.equal(out["total"], out["geneval"])
+    assert full["geneval/accuracy"].tolist() == [1.0] and full["geneval/counting_accuracy"].tolist() == [1.0]
+
+
+def test_flowgrpo_protocol_deqa_reply():
+    images = torch.stack([torch.full((3, 16, 16), v) for v in (0.5, 1.0)])
+    with reference_server("deqa") as (url, state):
+        remote = build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True}])
+        out = remote(images, ["a", "b"])
+    assert out["remote"].tolist() == pytest.approx([128 / 255 / 5, 0.2], abs=1e-3)
+
+
+def test_flowgrpo_protocol_errors_refusals_and_hostile_replies():
+    with reference_server("crash") as (url, state):
+        remote = build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True,
+                                "retries": 3, "backoff": 5}])  # fmt: skip
+        with pytest.raises(RewardError, match=r"HTTP 500: RuntimeError: CUDA out of memory"):
+            remote(torch.rand(1, 3, 8, 8), ["a"])
+    assert len(state["requests"]) == 1  # the traceback's last line shown, not retried
+    with reference_server("evil") as (url, state):
+        remote = build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True}])
+        with pytest.raises(RewardError, match=r"not a plain pickle.*builtins\.eval"):
+            remote(torch.rand(1, 3, 8, 8), ["a"])
+    for kind in ("numpy", "object_array"):  # numpy's classes take state find_class cannot check: none are built
+        with reference_server(kind) as (url, state):
+            remote = build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True}])
+            with pytest.raises(RewardError, match=r"not a plain pickle.*names numpy.*must be plain data"):
+                remote(torch.rand(2, 3, 8, 8), ["a", "b"])
+    # opt-in, loopback only by default
+    with pytest.raises(ValueError, match=r"unpickling lets whoever answers there run code.*trust_pickle: true"):
+        build_reward([{"name": "remote", "protocol": "flowgrpo", "url": "http://127.0.0.1:18085"}])
+    for host in ("10.1.2.3", "reward-host", "0.0.0.0"):
+        with pytest.raises(ValueError, match=r"loopback-only by default.*allow_non_loopback: true"):
+            build_reward([{"name": "remote", "protocol": "flowgrpo", "url": f"http://{host}:18085",
+                           "trust_pickle": True}])  # fmt: skip
+    build_reward([{"name": "remote", "protocol": "flowgrpo", "url": "http://10.1.2.3:18085", "trust_pickle": True,
+                   "allow_non_loopback": True}])  # fmt: skip
+    for url in ("http://localhost:18085", "http://[::1]:18085", "http://127.0.0.2:18085"):
+        build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True}])
+    with pytest.raises(ValueError, match="apply to protocol 'flowgrpo' only"):
+        build_reward([{"name": "remote", "url": "http://127.0.0.1:1/score", "trust_pickle": True}])
+    with pytest.raises(ValueError, match="protocol must be one of json, flowgrpo"):
+        build_reward([{"name": "remote", "url": "http://127.0.0.1:1/score", "protocol": "pickle"}])
