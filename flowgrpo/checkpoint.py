@@ -328,7 +328,7 @@ def trained_on(checkpoint: Path) -> dict[str, Any]:
     model = (recorded_config(checkpoint) or {}).get("model") or {}
     if "pretrained" in model:
         record["model.pretrained"] = model["pretrained"]
-    if model.get("kind") in ("sd3", "flux"):
+    if model.get("kind") not in (None, "auto"):
         record["model.kind"] = model["kind"]
     adapter = checkpoint / "adapter_config.json"
     lora = _read_json(adapter) if adapter.is_file() else {}
@@ -445,8 +445,9 @@ def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
 
 
 def _epoch_of(path: Path) -> int:
-    """NNNNN of ``epochNNNNN.json`` / ``epochNNNNN.png`` (eval reports, sample grids); -1 for any other name."""
-    match = re.fullmatch(r"epoch(\d+)\.(json|png)", path.name)
+    """NNNNN of ``epochNNNNN.json`` / ``.png`` / ``.gif`` (eval reports, sample grids, video previews); -1 for any
+    other name."""
+    match = re.fullmatch(r"epoch(\d+)\.(json|png|gif)", path.name)
     return int(match.group(1)) if match else -1
 
 
@@ -724,6 +725,8 @@ def save_checkpoint(trainer: Any, epoch: int, rng: dict[str, Any] | None = None)
             peft = model.peft_config["default"]
             config = peft.to_dict()
             config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
+            # Other sets (exclude_modules, see PipelineAdapter.lora_exclude) as lists: load_lora_weights reads them.
+            config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
             write_text(tmp / "adapter_config.json", json.dumps(config, indent=2, default=str))
             if trainer.ema is not None:
                 names = trainable_names(model)

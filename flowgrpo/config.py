@@ -57,16 +57,25 @@ class LoraSettings:
 class ModelConfig:
     """``model:`` the pipeline to fine-tune."""
 
-    pretrained: str = "tiny-sd3"  # hub id, local diffusers directory, or "tiny-sd3" / "tiny-flux" (offline)
-    kind: str = "auto"  # sd3 | flux | auto (from model_index.json)
+    pretrained: str = "tiny-sd3"  # hub id, local diffusers directory, or "tiny-sd3" / "tiny-flux" / ... (offline)
+    kind: str = "auto"  # sd3 | flux | flux-kontext | qwenimage | qwenimage-edit | wan | auto (from model_index.json);
+    # flux-kontext and qwenimage-edit edit images (prompt files with an "image" per row), wan makes video
     dtype: str = "fp32"  # weights: bf16 | fp16 | fp32 (sampler maths always fp32; LoRA weights fp32)
     vae_fp32: bool = False  # keep the VAE in float32 whatever model.dtype (fp16 VAEs can overflow)
     resolution: int = 512  # square images, pixels
     lora: LoraSettings = field(default_factory=LoraSettings)
     attention: str = "sdpa"  # sdpa | xformers (CUDA only)
     gradient_checkpointing: bool = False
-    negative_prompt: str = ""  # for CFG (SD3)
-    max_sequence_length: int | None = None  # T5 tokens (null: the family's default, SD3 256, FLUX 512; shapes-sd3: 16)
+    compile: bool = False  # torch.compile the transformer (in place): rollout, re-evaluation and KL reference forwards
+    #                        all run compiled, so the on-policy ratio stays exactly 1. Costs a compile per graph (grad
+    #                        mode × train/eval × adapter on/off) in the first epoch: seconds on a GPU, minutes on a CPU.
+    #                        Single process and DDP; not with DeepSpeed or FSDP (they wrap the module themselves)
+    negative_prompt: str = ""  # for CFG (SD3; Qwen-Image's true CFG, where Flow-GRPO uses " ")
+    max_sequence_length: int | None = None  # T5 / Qwen2.5-VL tokens (null: the family's default, SD3 256, FLUX and
+    #                                         Qwen-Image 512; shapes-sd3: 16)
+    num_frames: int | None = None  # video models (wan) only: frames per clip, 4k + 1 (the Wan VAE keeps the first
+    #                                frame and packs every 4 after it into one latent frame); null: the pipeline's
+    #                                default, 81. Image models: leave null
 
 
 @dataclass
@@ -99,7 +108,8 @@ class SamplerConfig:
     """``sampler:`` how images are sampled during training.
 
     kind: euler_maruyama (Flow-GRPO / DanceGRPO) | cps (coefficients-preserving) | langevin (LC-GRPO).
-    diffusion: flowgrpo (g = a·sqrt(t/(1-t))) | dance (g = a), for euler_maruyama and langevin.
+    diffusion: flowgrpo (g = a·sqrt(t/(1-t))) | dance (g = a) | flowgrpo_wan (g = a·σ₁·t, σ₁ the schedule's second
+        sigma: Flow-GRPO's Wan2.1 script with a = 1), for euler_maruyama and langevin.
     score_eval: langevin only: frozen (1 network call per step) | reeval (2 calls, true corrector).
     noise_level: a (Flow-GRPO SD3 0.7, FLUX 0.9; DanceGRPO 0.3); 0 gives the deterministic ODE.
     time_shift: s sets sigmas = s·t / (1 + (s - 1)·t) on t = linspace(1, 0, T + 1) for every resolution, and feeds
@@ -115,7 +125,7 @@ class SamplerConfig:
     score_eval: str = "frozen"
     noise_level: float = 0.7
     num_steps: int = 10
-    guidance_scale: float = 4.5  # CFG scale (SD3) or guidance embedding (FLUX)
+    guidance_scale: float = 4.5  # CFG scale (SD3), guidance embedding (FLUX) or true_cfg_scale (Qwen-Image)
     kappa: float = 0.95  # langevin: step std capped at kappa · t_next
     batch_size: int = 8  # images per rollout batch, per process
     window: WindowConfig = field(default_factory=WindowConfig)
@@ -427,7 +437,15 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
 def validate(config: Config, world_size: int = 1) -> None:
     """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes."""
     s, g, t = config.sampler, config.grpo, config.train
-    _one_of("model.kind", config.model.kind, ("auto", "sd3", "flux"))
+    kinds = ("auto", "sd3", "flux", "flux-kontext", "qwenimage", "qwenimage-edit", "wan")
+    _one_of("model.kind", config.model.kind, kinds)
+    if config.model.num_frames is not None:
+        if config.model.kind not in ("auto", *VIDEO_KINDS):
+            raise ConfigError(
+                f"model.num_frames={config.model.num_frames} is for video models ({', '.join(VIDEO_KINDS)}), but "
+                f"model.kind={config.model.kind} generates images; set model.num_frames: null"
+            )
+        check_num_frames(config.model.num_frames)
     _one_of("model.dtype", config.model.dtype, ("bf16", "fp16", "fp32"))
     _one_of("model.attention", config.model.attention, ("sdpa", "xformers"))
     _one_of("sampler.kind", s.kind, SDE_KINDS)
@@ -481,6 +499,30 @@ def validate(config: Config, world_size: int = 1) -> None:
         )
     if config.model.resolution % 16:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
+
+
+VIDEO_KINDS = ("wan",)  # model kinds that generate clips (model.num_frames)
+WAN_TEMPORAL_FACTOR = 4  # frames per latent frame of AutoencoderKLWan (Wan2.1), after the first frame
+
+
+def check_num_frames(
+    num_frames: int, temporal_factor: int = WAN_TEMPORAL_FACTOR, key: str = "model.num_frames"
+) -> None:
+    """Refuse a frame count the video VAE cannot take: it encodes the first frame alone and then ``temporal_factor``
+    frames per latent frame, so the count must be ``temporal_factor · k + 1``. The message lists the valid values."""
+    f = temporal_factor
+    whole = isinstance(num_frames, int) and not isinstance(num_frames, bool) and num_frames >= 1
+    if whole and (num_frames - 1) % f == 0:
+        return
+    if not whole:
+        valid = f"1, {1 + f}, {1 + 2 * f}, ..."
+        raise ConfigError(f"{key} must be a positive frame count {f}k + 1 ({valid}), got {num_frames!r}")
+    below = (num_frames - 1) // f * f + 1
+    raise ConfigError(
+        f"{key}={num_frames} is not a frame count the video VAE can take: it encodes the first frame alone and then "
+        f"{f} frames per latent frame, so the count must be {f}k + 1 (1, {1 + f}, {1 + 2 * f}, ..., 81, ...); the "
+        f"nearest valid values are {below} and {below + f}"
+    )
 
 
 def accumulation_steps(config: Config, world_size: int) -> int:

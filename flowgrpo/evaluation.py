@@ -63,27 +63,36 @@ def evaluate_shard(
         texts = [dataset.prompts[i] for i in batch]
         meta = [dict(dataset.metadata[i]) for i in batch]
         traj = rollout(adapter, texts, list(batch), sampler, range(0, 0), height=resolution, width=resolution,
-                       initial_latents=latents, metadata=meta)  # fmt: skip
-        for k, v in reward(traj.images, texts, meta).items():
+                       initial_latents=latents, metadata=meta, sources=dataset.sources_of(batch))  # fmt: skip
+        sources = {} if traj.source_images is None else {"source_images": traj.source_images}  # image editing
+        for k, v in reward(traj.images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
         images.append(traj.images.cpu())
     largest = math.ceil(math.ceil(count / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
         noise = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
         rollout(adapter, [dataset.prompts[0]], [0], sampler, range(0, 0), height=resolution, width=resolution,
-                initial_latents=noise)  # fmt: skip
+                initial_latents=noise, sources=dataset.sources_of([0]))  # fmt: skip
     empty = torch.zeros(0, 3, resolution, resolution)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 
 
 def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:
-    """``{reward: mean}`` plus ``"{reward}/tag/{tag}"`` means when the prompts' metadata carry a ``tag``."""
-    summary = {k: v.mean().item() for k, v in scores.items()}
+    """``{reward: mean}`` plus ``"{reward}/tag/{tag}"`` means when the prompts' metadata carry a ``tag``.
+
+    A trained score (``total``, each reward's own key) that is NaN makes its mean NaN: a failed reward shows. A
+    logged sub-score (``reward/sub``, e.g. GenEval's per-tag accuracies) is NaN where it does not apply to an
+    image, so its mean is over the images it applies to."""
+
+    def mean(key: str, values: Tensor) -> float:
+        return (values.nanmean() if "/" in key else values.mean()).item()
+
+    summary = {k: mean(k, v) for k, v in scores.items()}
     tags = [dataset.metadata[i].get("tag") for i in indices]
     for tag in sorted({t for t in tags if t is not None}):
         mask = torch.tensor([t == tag for t in tags])
         for k, v in scores.items():
-            summary[f"{k}/tag/{tag}"] = v[mask].mean().item()
+            summary[f"{k}/tag/{tag}"] = mean(k, v[mask])
     return summary
 
 
@@ -95,13 +104,29 @@ def evaluate(
     return summarize(dataset, indices, scores), images, [dataset.prompts[i] for i in indices], scores
 
 
+FILMSTRIP_FRAMES = 8  # frames of each clip a grid cell shows, evenly spaced (first and last included)
+GIF_FPS = 8  # frame rate of the animated previews (Flow-GRPO's Wan previews: fps 8)
+
+
+def filmstrips(videos: Tensor, max_frames: int = FILMSTRIP_FRAMES) -> Tensor:
+    """Clips ``[N, F, 3, H, W]`` -> ``[N, 3, H, k·W]``: ``k = min(F, max_frames)`` evenly spaced frames side by side."""
+    n, f, c, h, w = videos.shape
+    index = torch.linspace(0, f - 1, min(f, max_frames)).round().long()
+    return videos[:, index].permute(0, 2, 3, 1, 4).reshape(n, c, h, len(index) * w)
+
+
 def image_grid(
     images: Tensor, captions: list[str], columns: int | None = None, caption_height: int = 14
 ) -> Image.Image:
-    """A PIL grid of ``[N, 3, H, W]`` images in [0, 1], each with a one-line caption underneath."""
+    """A PIL grid of ``[N, 3, H, W]`` images in [0, 1], each with a one-line caption underneath. Clips
+    ``[N, F, 3, H, W]`` (video models) become a frame grid: each cell a filmstrip of up to ``FILMSTRIP_FRAMES``
+    frames (:func:`filmstrips`)."""
     scale = max(1, 96 // images.shape[-1])  # small images (32 px) are enlarged, so that captions fit under them
     if scale > 1:
-        images = torch.nn.functional.interpolate(images.float(), scale_factor=scale, mode="nearest")
+        flat = torch.nn.functional.interpolate(images.float().flatten(0, -4), scale_factor=scale, mode="nearest")
+        images = flat.reshape(*images.shape[:-2], *flat.shape[-2:])
+    if images.ndim == 5:
+        images = filmstrips(images)
     n, _, h, w = images.shape
     columns = columns or max(1, math.ceil(math.sqrt(n)))
     rows = math.ceil(n / columns)
@@ -115,10 +140,21 @@ def image_grid(
     return grid
 
 
+def write_gif(
+    videos: Tensor, captions: list[str], path: Path, *, columns: int | None = None, fps: int = GIF_FPS
+) -> Path:
+    """An animated GIF (PIL) of clips ``[N, F, 3, H, W]`` in [0, 1] laid out as :func:`image_grid`: its frame ``f`` is
+    the captioned grid of every clip's frame ``f``; it loops forever at ``fps`` frames per second."""
+    frames = [image_grid(videos[:, f], captions, columns) for f in range(videos.shape[1])]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    return Path(path)
+
+
 def write_report(folder: Path, summary: dict[str, float], images: Tensor, prompts: list[str],
                  scores: dict[str, Tensor], *, name: str = "eval") -> None:  # fmt: skip
     """``{name}.json`` (means and per-image scores) and ``{name}.png`` (a grid of ``images``, which may be
-    the first few of ``prompts`` only) in ``folder``."""
+    the first few of ``prompts`` only) in ``folder``. Clips ``[N, F, 3, H, W]`` (video models): the PNG is a frame
+    grid (filmstrips) and ``{name}.gif`` an animated preview of the same clips."""
     folder.mkdir(parents=True, exist_ok=True)
     per_image = [{"prompt": p, **{k: float(v[i]) for k, v in scores.items()}} for i, p in enumerate(prompts)]
     (folder / f"{name}.json").write_text(json.dumps({"summary": summary, "images": per_image}, indent=2))
@@ -126,3 +162,5 @@ def write_report(folder: Path, summary: dict[str, float], images: Tensor, prompt
     captions = [f"{float(total[i]):.3g} {p}" if total is not None else p for i, p in enumerate(prompts)]
     if len(images):
         image_grid(images, captions[: len(images)]).save(folder / f"{name}.png")
+    if len(images) and images.ndim == 5:
+        write_gif(images, captions[: len(images)], folder / f"{name}.gif")

@@ -25,7 +25,7 @@ from typing import Any
 from .adapters import ADAPTERS, PipelineAdapter, build_adapter
 from .checkpoint import CheckpointError, check_model_matches, load_adapter_weights, read_weights
 from .config import Config, load_config
-from .pipelines import PIPELINE_CLASSES, TINY_SOURCES, detect_kind, load_pipeline, resolve_source
+from .pipelines import PIPELINE_CLASSES, TINY_SOURCES, TRANSFORMER_CLASSES, detect_kind, load_pipeline, resolve_source
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 Shapes = dict[str, tuple[int, ...]]
@@ -110,7 +110,9 @@ def expected_lora_shapes(config: Config) -> Shapes:
         lora = config.model.lora
         targets = ADAPTERS[kind].default_lora_targets if lora.target_modules == "default" else lora.target_modules
         try:
-            transformer.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets)))
+            exclude = ADAPTERS[kind].lora_exclude(transformer) or None  # as PipelineAdapter.add_lora
+            transformer.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets),
+                                               exclude_modules=exclude))  # fmt: skip
         except ValueError as err:
             message = f"model.lora.target_modules {targets} do not match the {kind} transformer: {err}"
             raise CheckpointError(message) from None
@@ -119,9 +121,7 @@ def expected_lora_shapes(config: Config) -> Shapes:
 
 def _empty_transformer(source: str, kind: str) -> Any:
     """The transformer of a local directory or hub id, built from its config (call under ``init_empty_weights``)."""
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-    cls = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}[kind]
+    cls = TRANSFORMER_CLASSES[kind]
     try:
         return cls.from_config(cls.load_config(source, subfolder="transformer"))
     except (OSError, ValueError) as err:
@@ -228,7 +228,7 @@ def _looks_like(entries: list[str], kind: str) -> bool:
         return set(entries) <= {LORA_FILE}
     if kind == "pipeline":
         return "model_index.json" in entries
-    return all(Path(e).suffix in (".json", ".png") and e.startswith("eval") for e in entries)
+    return all(Path(e).suffix in (".json", ".png", ".gif") and e.startswith("eval") for e in entries)
 
 
 @contextlib.contextmanager
@@ -285,8 +285,14 @@ def save_diffusers_lora(config: Config, checkpoint: Path, out: Path, *, ema: boo
         metadata: dict[str, Any] = json.loads(file.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{file} cannot be read as JSON ({err}); the checkpoint is damaged") from None
+    weights = read_weights(checkpoint, ema=ema)
+    if metadata.get("exclude_modules"):
+        # load_lora_weights injects LoRA where the weights are (and warns about an exclude list it never used):
+        # name exactly those modules instead (PipelineAdapter.lora_exclude).
+        metadata["target_modules"] = sorted({key.rsplit(".lora_", 1)[0] for key in weights})
+        metadata["exclude_modules"] = None
     PIPELINE_CLASSES[model_kind(config)].save_lora_weights(
-        str(out), transformer_lora_layers=read_weights(checkpoint, ema=ema),
+        str(out), transformer_lora_layers=weights,
         transformer_lora_adapter_metadata=metadata, weight_name=LORA_FILE,
     )  # fmt: skip
     return out / LORA_FILE

@@ -5,7 +5,11 @@
     pipe = load_pipeline("tiny-sd3", dtype="fp32")  # random tiny weights, no files (see flowgrpo.tiny)
     pipe = load_pipeline("shapes-sd3", dtype="fp32")  # the pretrained shapes model shipped in the package
 
-The special names ``"tiny-sd3"`` / ``"tiny-flux"`` / ``"shapes-sd3"`` win over a local directory of the same name.
+The special names ``"tiny-sd3"`` / ``"tiny-flux"`` / ``"tiny-flux-kontext"`` / ``"tiny-qwenimage"`` / ``"shapes-sd3"``
+win over a local directory of the same name. FLUX.1-Kontext (``FluxKontextPipeline``, image editing) is the kind
+``flux-kontext``; Qwen-Image (``QwenImagePipeline``, text-to-image) the kind ``qwenimage``; Wan2.1 (``WanPipeline``,
+text-to-video) the kind ``wan`` (``"tiny-wan"``); Qwen-Image-Edit (``QwenImageEditPipeline``, image editing) the kind
+``qwenimage-edit`` (``"tiny-qwenimage-edit"``).
 A component that ``model_index.json`` lists as ``[null, null]`` (an SD3 saved without T5) loads as ``None``.
 Every ``torch.nn.Module`` component comes back in eval mode (training code turns on what it trains).
 """
@@ -17,7 +21,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import (
+    FluxKontextPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImageEditPipeline,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
 from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import hf_hub_download
@@ -26,14 +41,29 @@ from huggingface_hub.utils import validate_repo_id
 
 from flowgrpo.tiny import build_tiny_pipeline
 
-PipelineKind = Literal["sd3", "flux"]
-KINDS: tuple[str, ...] = ("sd3", "flux")
-PIPELINE_CLASSES: dict[str, type] = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}
+PipelineKind = Literal["sd3", "flux", "flux-kontext", "qwenimage", "wan", "qwenimage-edit"]
+KINDS: tuple[str, ...] = ("sd3", "flux", "flux-kontext", "qwenimage", "wan", "qwenimage-edit")
+PIPELINE_CLASSES: dict[str, type] = {
+    "sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "flux-kontext": FluxKontextPipeline,
+    "qwenimage": QwenImagePipeline,  # text-to-image
+    "qwenimage-edit": QwenImageEditPipeline,  # image editing (Qwen-Image-Edit; not the Edit-Plus / 2509 pipeline)
+    "wan": WanPipeline,  # Wan2.1 text-to-video
+}  # fmt: skip
+# kind -> its transformer class (what a checkpoint's LoRA shapes are checked against, built from its config alone).
+TRANSFORMER_CLASSES: dict[str, type] = {
+    "sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel, "flux-kontext": FluxTransformer2DModel,
+    "qwenimage": QwenImageTransformer2DModel, "wan": WanTransformer3DModel,
+    "qwenimage-edit": QwenImageTransformer2DModel,
+}  # fmt: skip
 # model_index.json "_class_name" -> kind. Other classes (img2img, inpaint, ...) load only with an explicit kind.
 KIND_BY_CLASS_NAME: dict[str, str] = {cls.__name__: kind for kind, cls in PIPELINE_CLASSES.items()}
 # "-taesd": the tiny pipeline with a normalisation-free AutoencoderTiny (see flowgrpo.tiny.build_tiny_pipeline).
 TINY_SOURCES: dict[str, str] = {
     "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-sd3-taesd": "sd3", "tiny-flux-taesd": "flux",
+    "tiny-flux-kontext": "flux-kontext", "tiny-flux-kontext-taesd": "flux-kontext",
+    "tiny-qwenimage": "qwenimage",  # its own AutoencoderKLQwenImage only (no -taesd)
+    "tiny-wan": "wan",  # its own AutoencoderKLWan only (no -taesd)
+    "tiny-qwenimage-edit": "qwenimage-edit",  # its own AutoencoderKLQwenImage only (no -taesd)
 }  # fmt: skip
 # Pretrained pipelines shipped inside the package (no download): name -> directory.
 SHIPPED_MODELS: dict[str, Path] = {"shapes-sd3": Path(__file__).parent / "assets" / "shapes-sd3"}
@@ -76,7 +106,7 @@ def pipeline_kind(pipe: Any) -> PipelineKind:
         return "sd3"
     if isinstance(transformer, FluxTransformer2DModel):
         return "flux"
-    raise ValueError(f"{type(pipe).__name__} is neither an SD3 nor a FLUX pipeline; supported kinds: {KINDS}")
+    raise ValueError(f"{type(pipe).__name__} is not an SD3, FLUX, Qwen-Image or Wan pipeline; supported kinds: {KINDS}")
 
 
 def _check_kind(kind: str) -> str:
@@ -165,8 +195,8 @@ def load_pipeline(
     kind: str = "auto",
     dtype: str | torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
-) -> StableDiffusion3Pipeline | FluxPipeline:
-    """Open an SD3 or FLUX pipeline: a hub id, a local diffusers directory, or ``"tiny-sd3"`` / ``"tiny-flux"``.
+) -> StableDiffusion3Pipeline | FluxPipeline | FluxKontextPipeline | QwenImagePipeline | WanPipeline:
+    """Open a pipeline of one of ``KINDS``: a hub id, a local diffusers directory, or a tiny name (``"tiny-sd3"``, ...).
 
     ``kind="auto"`` reads it from ``model_index.json``; an explicit kind must agree with it (a pipeline
     class this module does not know, e.g. an img2img export, is loaded as the kind asked for).

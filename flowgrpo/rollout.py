@@ -37,7 +37,8 @@ class Trajectory:
     stds:                   [B, W]           the transitions' std
     sigmas / sigmas_next:   [B, W]           t and t_next of each window step
     step_indices:           [B, W] long      the window's step indices in the (uncompressed) schedule
-    images:                 [B, 3, H, W] in [0, 1] (None when not decoded); final_latents [B, *latent]
+    images:                 [B, 3, H, W] in [0, 1], video models [B, F, 3, H, W] (None when not decoded);
+                            final_latents [B, *latent] (video: the latents' frame axis is part of *latent)
 
     The per-step fields are per sample, so batches sampled with different windows of the same size (a new
     window per rollout batch, Flow-GRPO-Fast) join into one trajectory.
@@ -63,6 +64,11 @@ class Trajectory:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @property
+    def source_images(self) -> Tensor | None:
+        """Editing: the source images ``[B, 3, h, w]`` in [0, 1] (CPU) the samples were conditioned on, else None."""
+        return self.embeds.source_images
 
     @property
     def num_trained_steps(self) -> int:
@@ -142,12 +148,14 @@ def rollout(
     metadata: list[dict[str, Any]] | None = None,
     noise_seed: int = 0,
     progress: bool = False,
+    sources: Sequence[Any] | None = None,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE
     (the steps after the window: ``sampler.post_window.solver``; the final step: the SDE too, unstored, when
     ``sampler.last_step == "sde"``). ``sampler.time_shift`` replaces the pipeline's schedule by the static one.
     With ``sampler.same_initial_noise`` and ``sampler.shared_prefix``, the ODE steps before the window run once per
-    group of the batch (its images' latents are identical there) and fan out at the window."""
+    group of the batch (its images' latents are identical there) and fan out at the window. ``sources`` (editing):
+    each prompt's source image (a file path or PIL image), encoded once and carried in the trajectory's embeddings."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")
@@ -160,7 +168,8 @@ def rollout(
         raise ValueError(f"sampler.last_step must be 'ode' or 'sde', got {sampler.last_step!r}")
     if sampler.last_step == "sde" and sampler.post_window.solver != "euler":
         raise ValueError("sampler.last_step='sde' needs post_window.solver='euler' (the solver owns the final step)")
-    embeds = adapter.encode_prompts(prompts, with_negative=adapter.needs_negative(sampler.guidance_scale))
+    embeds = adapter.encode_conditions(prompts, with_negative=adapter.needs_negative(sampler.guidance_scale),
+                                       sources=sources, height=height, width=width)  # fmt: skip
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width, time_shift=sampler.time_shift)
     t_second = float(sigmas[1])
     after = window.stop if window else 0
@@ -179,7 +188,7 @@ def rollout(
         expected = (len(prompts), *adapter.latent_shape(height, width))
         if tuple(initial_latents.shape) != expected:
             raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
-        x = initial_latents.to(device=adapter.device, dtype=adapter.dtype)
+        x = initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
 
     gs = sampler.guidance_scale
     velocity_fn = _velocity_fn(adapter, embeds, sampler, gs)

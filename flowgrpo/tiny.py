@@ -1,10 +1,11 @@
-"""Tiny random-weight SD3 / FLUX pipelines, built offline from configs (tests, CI, benchmarks).
+"""Tiny random-weight SD3 / FLUX / Qwen-Image / Wan pipelines, built offline from configs (tests, CI, benchmarks).
 
-They are real diffusers pipelines (``StableDiffusion3Pipeline`` / ``FluxPipeline``) with the same
-component layout and schedulers as SD3.5 / FLUX.1-dev, but under 0.1 M parameters per model, so every
-code path (prompt encoding, latent packing, guidance embedding, dynamic shift, VAE decode, LoRA,
-save / load) runs on a CPU in milliseconds. Nothing is downloaded: the tokenizers are built from
-open_clip's bundled CLIP BPE merges, and the weights are random (seeded).
+They are real diffusers pipelines (``StableDiffusion3Pipeline`` / ``FluxPipeline`` / ``QwenImagePipeline``)
+with the same component layout and schedulers as SD3.5 / FLUX.1-dev / Qwen-Image, but under 0.1 M parameters
+per model, so every code path (prompt encoding, latent packing, guidance embedding, true CFG, dynamic shift,
+VAE decode, LoRA, save / load) runs on a CPU in milliseconds. Nothing is downloaded: the CLIP / T5 tokenizers
+are built from open_clip's bundled CLIP BPE merges, the Qwen2 tokenizer from a byte-level BPE trained here on
+a fixed word list, and the weights are random (seeded).
 
 Key sizes (see ``TINY_SIZES``):
 
@@ -14,6 +15,26 @@ Key sizes (see ``TINY_SIZES``):
 - FLUX: 4 latent channels packed 2x2 into 16 transformer channels -> multiples of 4 as well, no
   upper bound; the FLUX pipeline's default is 256x256 (its fixed ``default_sample_size`` 128 x 2),
   so pass ``height`` / ``width`` (32 or 64) for speed.
+- FLUX.1-Kontext (``flux-kontext``): the FLUX components in a ``FluxKontextPipeline`` (image editing). Its
+  ``pipe()`` rescales the size to ``max_area`` (1024²) and the input image to a preferred Kontext resolution:
+  pass ``max_area=H * W`` and ``_auto_resize=False`` at tiny sizes.
+- Qwen-Image: 4 latent channels (an ``AutoencoderKLQwenImage``, z_dim 4, with the first 4 of the real
+  latents_mean / latents_std) packed 2x2 into 16 transformer channels -> multiples of 4; the pipeline's default
+  is 256x256 (``default_sample_size`` 128 x 2). Text: a Qwen2.5-VL with hidden size 32 (joint 32), a byte-level
+  BPE of about 500 tokens whose system prompt of the pipeline's template is 34 tokens, as with the real
+  tokenizer (the pipeline drops exactly 34: ``prompt_template_encode_start_idx``).
+- Qwen-Image-Edit (``qwenimage-edit``, a ``QwenImageEditPipeline``, image editing): the Qwen-Image transformer and VAE
+  (same seeds) with a Qwen2.5-VL that also reads the source image (vision tower: patch 2, 2x2 merge, hidden 16) through
+  a ``Qwen2VLProcessor`` built here (images of 16² to 64² pixels at their own size, larger ones scaled down); its BPE
+  also knows the edit template, whose system part is 64 tokens as with the real tokenizer (the pipeline drops 64).
+  Its ``pipe()`` sizes the source to about 1024² pixels whatever the output size (slow at tiny sizes; see
+  ``flowgrpo.adapters.qwenimage_edit`` for matching it at the generated size).
+- Wan2.1 (``wan``, a ``WanPipeline``, text-to-video): an ``AutoencoderKLWan`` with z_dim 4 (the first 4 of the real
+  latents_mean / latents_std), two down-sampling stages that both halve time too -> spatial factor 4, temporal factor
+  4 as the real VAE (``num_frames = 4k + 1``: 5 frames are 2 latent frames); a ``WanTransformer3DModel`` with patch
+  (1, 2, 2) -> height / width multiples of 16 (the pipeline's own rule); a UMT5 encoder (d_model 32) with the tiny T5
+  tokenizer; the hub's ``UniPCMultistepScheduler`` (flow sigmas, ``flow_shift`` 3.0). The pipeline's default size is
+  480x832 with 81 frames: pass ``height`` / ``width`` / ``num_frames`` (32, 32, 5) for speed.
 - Text: CLIP vocab 1000 (77 tokens), T5 d_model 32. SD3 pooled = 32 + 32 = 64, joint = 32
   (CLIP hidden 8 + 16 = 24, zero-padded to T5's 32 as in the real model); FLUX pooled 32, joint 32.
 """
@@ -31,12 +52,21 @@ from typing import Literal
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
     AutoencoderTiny,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImageEditPipeline,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from diffusers.utils import logging as diffusers_logging
 from transformers import (
@@ -44,14 +74,22 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-TinyKind = Literal["sd3", "flux"]
-TINY_KINDS: tuple[str, ...] = ("sd3", "flux")
+TinyKind = Literal["sd3", "flux", "qwenimage", "flux-kontext", "wan", "qwenimage-edit"]
+TINY_KINDS: tuple[str, ...] = ("sd3", "flux", "qwenimage", "flux-kontext", "wan", "qwenimage-edit")
 
 # CLIP BPE vocabulary: 256 byte symbols, the same 256 with "</w>", the first merges, 2 specials.
 # Truncating CLIP's ranked merge list keeps a valid BPE (each merge only uses earlier symbols).
@@ -64,6 +102,17 @@ TINY_SIZES: dict[str, dict[str, int]] = {
             "pooled_dim": 64, "joint_dim": 32},
     "flux": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4, "default_resolution": 256,
              "pooled_dim": 32, "joint_dim": 32},
+    # FluxKontextPipeline around the same components as "flux" (its default size 1024² comes from max_area).
+    "flux-kontext": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4,
+                     "default_resolution": 1024, "pooled_dim": 32, "joint_dim": 32},
+    "qwenimage": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4, "default_resolution": 256,
+                  "pooled_dim": 0, "joint_dim": 32},
+    # QwenImageEditPipeline around the qwenimage components; its default size, like its source's, is ~1024² pixels.
+    "qwenimage-edit": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4,
+                       "default_resolution": 1024, "pooled_dim": 0, "joint_dim": 32},
+    # WanPipeline (text-to-video); its default size is 480x832 with 81 frames.
+    "wan": {"latent_channels": 4, "vae_scale_factor": 4, "temporal_factor": 4, "resolution_multiple": 16,
+            "default_resolution": 480, "default_num_frames": 81, "pooled_dim": 0, "joint_dim": 32},
 }
 
 
@@ -123,6 +172,87 @@ def _t5_unigram_vocab() -> tuple[tuple[str, float], ...]:
 def tiny_t5_tokenizer() -> T5Tokenizer:
     """A T5 tokenizer (Unigram + Metaspace, ``</s>`` appended) over a small generated vocabulary."""
     return T5Tokenizer(vocab=list(_t5_unigram_vocab()), extra_ids=0, model_max_length=T5_MAX_LENGTH)
+
+
+# Qwen-Image's prompt template (QwenImagePipeline.prompt_template_encode): its system part is 34 tokens for the real
+# tokenizer, and the pipeline drops exactly 34. Each of its words is one token in the tiny BPE too.
+QWEN_TEMPLATE_WORDS = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
+)
+# Words of the test and tiny prompts, so that they cost a token each; anything else falls back to bytes.
+QWEN_EXTRA_WORDS = (
+    "a an the photo of on in at over with and two three red blue green yellow white black cube ball sign that says "
+    'hello "hello" cat dog apple table sunset sea city street night bowl fruit mountain lake portrait old man field '
+    "flowers lighthouse cliff cup coffee snowy forest taxi"
+)
+# Qwen2.5-VL's special tokens, in the real tokenizer's order (ids follow the BPE vocabulary, as there).
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+QWEN_MAX_LENGTH = 1024 + 34  # what QwenImagePipeline truncates to: tokenizer_max_length + the dropped system prompt
+
+
+# Qwen-Image-Edit's template (QwenImageEditPipeline.prompt_template_encode) up to the image: 64 tokens for the real
+# tokenizer and for the edit BPE (the pipeline drops exactly 64), and the words of the tiny editing prompts.
+QWEN_EDIT_WORDS = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\n make add remove turn second one square squares circle triangle stripe stripes"
+)
+
+
+@functools.cache
+def _qwen_bpe(edit: bool = False) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(vocab tokens in id order, merges) of a byte-level BPE trained on the words above (cached: built once).
+
+    Plain BPE training with a fixed tie-break (most frequent pair, then the smallest), run until every word is
+    one token: deterministic, independent of the ``tokenizers`` version. The pre-tokenizer is Qwen2's own.
+    """
+    splitter = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer.pre_tokenizer
+    text = QWEN_TEMPLATE_WORDS + " " + QWEN_EXTRA_WORDS + (" " + QWEN_EDIT_WORDS if edit else "")
+    text = text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    counts: dict[tuple[str, ...], int] = {}
+    for word, _ in splitter.pre_tokenize_str(text):
+        key = tuple(word)
+        counts[key] = counts.get(key, 0) + 1
+    words = {key: list(key) for key in counts}
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: dict[tuple[str, str], int] = {}
+        for key, symbols in words.items():
+            for pair in zip(symbols, symbols[1:], strict=False):
+                pairs[pair] = pairs.get(pair, 0) + counts[key]
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        for symbols in words.values():
+            i = 0
+            while i < len(symbols) - 1:
+                if (symbols[i], symbols[i + 1]) == best:
+                    symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+                i += 1
+    vocab = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    return tuple(vocab), tuple(merges)
+
+
+def tiny_qwen_tokenizer(edit: bool = False) -> Qwen2Tokenizer:
+    """A Qwen2 byte-level BPE tokenizer (Qwen2's pre-tokenizer, NFC, the chat specials) with a small vocabulary."""
+    vocab, merges = _qwen_bpe(edit)
+    ids = {token: i for i, token in enumerate(vocab + QWEN_SPECIAL_TOKENS)}
+    return Qwen2Tokenizer(
+        vocab=ids,
+        merges=list(merges),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+        model_max_length=QWEN_MAX_LENGTH,
+    )
 
 
 # --------------------------------------------------------------------------- models
@@ -278,14 +408,163 @@ def _flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
     }
 
 
+def _qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+              "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 4,
+              "fullatt_block_indexes": [0]}  # fmt: skip  # reads the source image in qwenimage-edit only
+    text = {
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": QWEN_MAX_LENGTH,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},  # sums to 8/2
+        "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+    }  # fmt: skip
+    special = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=special("<|image_pad|>"),
+        video_token_id=special("<|video_pad|>"),
+        vision_start_token_id=special("<|vision_start|>"),
+        vision_end_token_id=special("<|vision_end|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
+    """What Qwen-Image-Edit's text encoder reads the source image through: Qwen2.5-VL's processor with the tiny vision
+    tower's patching (2x2 patches, 2 frames, 2x2 merge) and images kept between 16² and 64² pixels (the real one:
+    14x14 patches, 56² to 3584²)."""
+    patching = {"patch_size": 2, "temporal_patch_size": 2, "merge_size": 2}
+    images = Qwen2VLImageProcessor(**patching, min_pixels=16 * 16, max_pixels=64 * 64)
+    videos = Qwen2VLVideoProcessor(**patching)  # unused, but the processor needs one
+    return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos)
+
+
+def _qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dict[str, object]:
+    if vae != "kl":
+        raise ValueError(f"the tiny {'qwenimage-edit' if edit else 'qwenimage'} pipeline has only vae='kl' (an "
+                         "AutoencoderKLQwenImage)")  # fmt: skip
+    tok = tiny_qwen_tokenizer(edit)
+    s = seed * 16
+    extra = {"processor": _qwen_processor(tok)} if edit else {}  # edit: the text encoder reads the source image too
+    return {
+        **extra,
+        # Qwen-Image's layout in miniature: 2x2 patches of 4 latent channels, joint attention on the text
+        # stream (dim = the text encoder's hidden size), RoPE axes summing to the head dim, no guidance embedding.
+        "transformer": _seeded(s + 0, lambda: QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,  # 4 latent channels x 2x2 packing
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            guidance_embeds=False,
+            axes_dims_rope=(4, 6, 6),
+        )),
+        # One down/up-sampling -> vae_scale_factor 2 (= 2 ** len(temperal_downsample)); the real first 4 channel stats.
+        "vae": _seeded(s + 1, lambda: AutoencoderKLQwenImage(
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+            latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+        )),
+        "text_encoder": _seeded(s + 2, lambda: _qwen_text_encoder(tok)),
+        "tokenizer": tok,
+        # Qwen-Image's scheduler config: dynamic exponential shift from the image token count, terminal sigma 0.02.
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            shift=1.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+        ),
+    }
+
+
+def _umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",  # umt5-xxl, as Wan uses
+        tie_word_embeddings=False,
+        is_encoder_decoder=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return UMT5EncoderModel(config)
+
+
+def _wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    if vae != "kl":
+        raise ValueError("the tiny wan pipeline has only vae='kl' (an AutoencoderKLWan)")
+    tok = tiny_t5_tokenizer()
+    s = seed * 16
+    return {
+        # Wan2.1's layout in miniature: 3D patches (1, 2, 2), self-attention with RoPE over (frame, row, column)
+        # (head dim 12 = 4 + 4 + 4), cross-attention on the UMT5 embeddings (text_dim = d_model 32).
+        "transformer": _seeded(s + 0, lambda: WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )),
+        # Two down-sampling stages, both also halving time: spatial factor 4, temporal factor 4 (the real VAE's).
+        "vae": _seeded(s + 1, lambda: AutoencoderKLWan(
+            base_dim=4,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+            latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+            scale_factor_temporal=4,
+            scale_factor_spatial=4,
+        )),
+        "text_encoder": _seeded(s + 2, lambda: _umt5_encoder(tok)),
+        "tokenizer": tok,
+        # Wan2.1-T2V-1.3B-Diffusers' scheduler config: UniPC on flow sigmas with a static shift of 3 (480p).
+        "scheduler": UniPCMultistepScheduler(
+            num_train_timesteps=1000,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=3.0,
+            solver_order=2,
+            final_sigmas_type="zero",
+        ),
+    }
+
+
 def build_tiny_pipeline(
     kind: TinyKind, seed: int = 0, dtype: torch.dtype = torch.float32, vae: Literal["kl", "tiny"] = "kl"
-) -> StableDiffusion3Pipeline | FluxPipeline:
-    """A tiny random-weight SD3 or FLUX pipeline on CPU, in eval mode; same seed -> same weights.
+) -> StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | WanPipeline:
+    """A tiny random-weight SD3, FLUX or Qwen-Image pipeline on CPU, in eval mode; same seed -> same weights.
 
-    vae: ``kl`` — an AutoencoderKL with the real model's scaling/shift factors (default); ``tiny`` — a
-    TAESD-style AutoencoderTiny without normalisation layers, on which image-level rewards (brightness)
-    respond to the policy: the CPU learning tests and the README's main job use it.
+    vae: ``kl`` — an AutoencoderKL with the real model's scaling/shift factors (default; Qwen-Image: an
+    AutoencoderKLQwenImage, its only choice); ``tiny`` — a TAESD-style AutoencoderTiny without normalisation
+    layers, on which image-level rewards (brightness) respond to the policy: the CPU learning tests and the
+    README's main job use it.
     """
     if vae not in ("kl", "tiny"):
         raise ValueError(f"tiny pipeline vae must be 'kl' or 'tiny', got {vae!r}")
@@ -293,6 +572,14 @@ def build_tiny_pipeline(
         pipe = StableDiffusion3Pipeline(**_sd3_components(seed, vae))
     elif kind == "flux":
         pipe = FluxPipeline(**_flux_components(seed, vae))
+    elif kind == "flux-kontext":  # the FLUX components (same seed -> same weights) in the editing pipeline
+        pipe = FluxKontextPipeline(**_flux_components(seed, vae))
+    elif kind == "qwenimage":
+        pipe = QwenImagePipeline(**_qwenimage_components(seed, vae))
+    elif kind == "qwenimage-edit":  # qwenimage's transformer and VAE (same seed), a text encoder reading images
+        pipe = QwenImageEditPipeline(**_qwenimage_components(seed, vae, edit=True))
+    elif kind == "wan":
+        pipe = WanPipeline(**_wan_components(seed, vae))
     else:
         raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
     if dtype != torch.float32:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from rewards import AsyncReward, apply_nan_policy, build_reward
 from samplers import SlidingWindow, transition_kl
 
-from .adapters import build_adapter
+from .adapters import PipelineAdapter, build_adapter
 from .advantages import compute_advantages
 from .batching import kept_samples, micro_batches, trained_count, trained_positions
 from .checkpoint import (
@@ -49,10 +49,10 @@ from .checkpoint import (
     write_run_config,
 )
 from .config import Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
-from .data import PromptDataset, epoch_plan, rank_slice
+from .data import PromptDataset, check_editing, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
-from .loss import grpo_loss
+from .loss import LossStats, grpo_loss
 from .parallel import (
     any_process,
     check_launch,
@@ -63,6 +63,7 @@ from .parallel import (
     zero_loss,
     zeroed,
 )
+from .phases import PhaseTimer
 from .report import write_before_after, write_curves
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
 
@@ -105,6 +106,21 @@ def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.op
     return torch.optim.AdamW(params, **kwargs)
 
 
+def timestep_loss(
+    adapter: PipelineAdapter, cfg: Config, sub: Trajectory, positions: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, LossStats]:
+    """One trained timestep of a micro-batch: re-score the stored transitions at ``positions`` ([B] window positions)
+    under the current weights, the KL reference forward when β > 0, and the clipped GRPO loss (scalar, to backward)."""
+    new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
+    kl = None
+    if cfg.grpo.kl.beta > 0:  # β = 0 skips the reference forward entirely
+        with torch.no_grad(), adapter.adapter_disabled():
+            ref = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
+        kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
+    old = stored_log_probs(sub, positions).to(new.log_prob.device)
+    return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
+
+
 class GRPOTrainer:
     """Holds the pieces; ``fit()`` runs the loop. Set up everything (and fail) before the first epoch."""
 
@@ -124,8 +140,16 @@ class GRPOTrainer:
         self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
         # A reward with a prompt grammar (shapes) refuses a prompt it cannot score now, not mid-epoch.
         self.reward.check_prompts(self.train_data.prompts + (self.test_data.prompts if self.test_data else []))
+        datasets = {"data.train": self.train_data, "data.test": self.test_data}
+        check_editing(datasets, reward=self.reward)  # a reward comparing edits with their sources needs source images
         set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
+        check_editing(datasets, adapter=self.adapter)  # source images need an editing model
+        if config.model.compile:  # in place, before prepare(): rollout, loss and KL reference all run it compiled
+            if self.deepspeed or self.fsdp:
+                raise ConfigError("model.compile=true runs on one process or under DDP; DeepSpeed and FSDP wrap the "
+                                  "transformer themselves: set model.compile: false")  # fmt: skip
+            self.adapter.compile()
         set_seed(config.run.seed, device_specific=True)
         self.params = self.adapter.trainable_parameters()
         self.optimizer = make_optimizer(config, self.params)
@@ -141,6 +165,7 @@ class GRPOTrainer:
                   + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
                   + ")")  # fmt: skip
         self.window = make_window(config)
+        self.phases = PhaseTimer()  # wall time of each loop phase (time/... metrics, scripts/bench.py epoch)
         self.state = TrainState()
         run = config.run
         warn = lambda message: acc.print(f"warning: {message}")  # noqa: E731
@@ -238,6 +263,7 @@ class GRPOTrainer:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
         with _stop_on_signals(self):
             for epoch in bar:
+                self.phases.mark("epoch")
                 epoch_rng = rng_state()
                 # A signal during the last checkpoint (or before the first epoch): stop before sampling.
                 metrics = None if self._agree_to_stop() else self.run_epoch(epoch)
@@ -253,7 +279,8 @@ class GRPOTrainer:
                 # signal (torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default).
                 if every and (epoch + 1) % every == 0 and not self._agree_to_stop():
                     best_before = self.state.best_eval
-                    metrics.update(self.run_eval(epoch + 1))
+                    with self.phases("eval"):
+                        metrics.update(self.run_eval(epoch + 1))
                     new_best = self.state.best_eval is not None and self.state.best_eval != best_before
                     if new_best:
                         self.state.best_checkpoint = checkpoint_name(epoch + 1)
@@ -262,12 +289,14 @@ class GRPOTrainer:
                 done = epoch + 1 == cfg.run.epochs
                 stopping = self._agree_to_stop()  # a signal may have reached only some processes since the last step
                 if stopping or done or new_best or (save_every and (epoch + 1) % save_every == 0):
-                    path = save_checkpoint(self, epoch + 1)
+                    with self.phases("checkpoint"):
+                        path = save_checkpoint(self, epoch + 1)
                     self.checkpointed_epoch = epoch + 1
                     acc.print(f"checkpoint: {path}")
                 if stopping:
                     acc.print("stop requested (signal): checkpoint written, exiting")
                     break
+        self.phases.mark("end")
         self._finish()
         if self.run_lock is not None:
             self.run_lock.release()  # the run may be resumed now (also by another trainer in this process)
@@ -299,6 +328,7 @@ class GRPOTrainer:
         for index, batch in enumerate(tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not self._bars)):
             prompts = [self.train_data.prompts[s.prompt_index] for s in batch]
             metadata = [dict(self.train_data.metadata[s.prompt_index]) for s in batch]
+            sources = self.train_data.sources_of([s.prompt_index for s in batch])  # image editing, else None
             # Flow-GRPO-Fast: a new random window for every batch, a function of (seed, epoch, global batch index).
             batch_window = (self.window.steps(epoch, batch=self.rank * len(batches) + index)
                             if cfg.sampler.window.per_batch else window)  # fmt: skip
@@ -306,9 +336,10 @@ class GRPOTrainer:
             traj = rollout(
                 self.adapter, prompts, [s.group_id for s in batch], cfg.sampler, batch_window, self.generator,
                 height=cfg.model.resolution, width=cfg.model.resolution, log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata, noise_seed=cfg.run.seed,
+                metadata=metadata, noise_seed=cfg.run.seed, sources=sources,
             )  # fmt: skip
-            scorer.submit(traj.images, prompts, metadata)  # scored while the next batch samples
+            # scored while the next batch samples; editing rewards also see each sample's source image
+            scorer.submit(traj.images, prompts, metadata, source_images=traj.source_images)
             traj.images = traj.images.cpu()  # kept for image grids only: free the device memory
             parts.append(traj)
             if self._agree_to_stop():  # every process has the same number of batches (validated)
@@ -316,16 +347,17 @@ class GRPOTrainer:
                 return None
         trajectory = Trajectory.cat(parts)
         window_start = sum(starts) / len(starts) if cfg.sampler.window.per_batch else starts[0]  # mean of the batches'
-        timings["time/sampling"] = time.perf_counter() - start
+        timings["time/sampling"] = self.phases.add("sampling", start)
         start = time.perf_counter()
         with scorer:
             local_scores = _cat_scores(scorer.results())
-        timings["time/reward_wait"] = time.perf_counter() - start
+        timings["time/reward_wait"] = self.phases.add("reward_wait", start)
 
         if cfg.run.image_grid_every and epoch % cfg.run.image_grid_every == 0 and acc.is_main_process:
             self._save_sample_grid(trajectory, local_scores["total"], epoch)
 
         # ================================ ADVANTAGES ================================
+        start = time.perf_counter()
         keys = sorted(local_scores)
         gathered = {k: acc.gather(local_scores[k].to(acc.device)).cpu() for k in keys}
         all_group_ids = acc.gather(trajectory.group_ids.to(acc.device)).cpu()
@@ -345,11 +377,12 @@ class GRPOTrainer:
             self._dump(f"epoch{epoch}", group_ids=trajectory.group_ids, local_total=local_scores["total"],
                        all_total=gathered["total"], all_group_ids=all_group_ids, advantages=advantages,
                        advantages_all=advantages_all)  # fmt: skip
+        self.phases.add("advantages", start)
 
         # ================================ TRAINING ================================
         start = time.perf_counter()
         stats = self.train_on(trajectory, advantages, epoch)
-        timings["time/training"] = time.perf_counter() - start
+        timings["time/training"] = self.phases.add("training", start)
 
         metrics: dict[str, float] = {"epoch": epoch, "global_step": self.state.global_step,
                                      "window/start": window_start, "window/size": len(window),
@@ -395,7 +428,7 @@ class GRPOTrainer:
                     # DDP decides in the forward whether the backward all-reduces, so both run inside no_sync.
                     ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
                     with ctx:
-                        loss, stats = self._loss(sub, positions[:, j], adv)
+                        loss, stats = timestep_loss(self.adapter, cfg, sub, positions[:, j], adv)
                         finite = self._all_finite(loss)
                         if finite:
                             acc.backward(loss / per_update)
@@ -452,18 +485,6 @@ class GRPOTrainer:
                 out[f"train/{k}"] = pick(sums[k])
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
-
-    def _loss(self, sub: Trajectory, positions: torch.Tensor, advantages: torch.Tensor):
-        cfg = self.config
-        new = evaluate_transitions(self.adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
-        kl = None
-        if cfg.grpo.kl.beta > 0:  # β = 0 skips the reference forward entirely
-            with torch.no_grad(), self.adapter.adapter_disabled():
-                ref = evaluate_transitions(self.adapter, sub, positions, cfg.sampler,
-                                           log_prob_reduce=cfg.grpo.log_prob_reduce)  # fmt: skip
-            kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
-        old = stored_log_probs(sub, positions).to(new.log_prob.device)
-        return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss is finite on every process (all skip a step together, or none does)."""

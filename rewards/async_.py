@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Metadata, Reward, RewardError
+from .base import Metadata, Reward, RewardError, accepts_source_images
 
 
 class AsyncReward:
@@ -30,7 +30,8 @@ class AsyncReward:
     never touches the caller's tensors. A failure is raised (by the next ``submit`` or by
     ``results``) as a ``RewardError`` naming the batch and the reward; the pending batches are
     then discarded so the wrapper can be used again. ``max_pending`` bounds the queued batches
-    (``submit`` waits for the oldest one beyond it).
+    (``submit`` waits for the oldest one beyond it). ``source_images`` (editing) reach the reward only if its
+    signature takes them (checked once, here).
     """
 
     def __init__(self, reward: Reward, *, max_pending: int = 2, name: str | None = None) -> None:
@@ -42,8 +43,15 @@ class AsyncReward:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self._futures: list[tuple[int, Future]] = []
         self._next_batch = 0
+        self._takes_sources = accepts_source_images(reward)
 
-    def submit(self, images: Tensor, prompts: Sequence[str], metadata: Metadata | None = None) -> int:
+    def submit(
+        self,
+        images: Tensor,
+        prompts: Sequence[str],
+        metadata: Metadata | None = None,
+        source_images: Tensor | None = None,
+    ) -> int:
         """Queue one batch; returns its index (counted from 0 since the last ``results``)."""
         self._raise_first_failure(done_only=True)
         running = [f for _, f in self._futures if not f.done()]
@@ -52,15 +60,20 @@ class AsyncReward:
             self._raise_first_failure(done_only=True)
         images = images.detach().clone()  # snapshot: the sampler may overwrite its buffers
         prompts, metadata = list(prompts), copy.deepcopy(list(metadata) if metadata is not None else None)
+        sources = {}
+        if source_images is not None and self._takes_sources:
+            sources["source_images"] = source_images.detach().clone()
         index = self._next_batch
-        self._futures.append((index, self._executor.submit(self._score, index, images, prompts, metadata)))
+        self._futures.append((index, self._executor.submit(self._score, index, images, prompts, metadata, sources)))
         self._next_batch += 1
         return index
 
-    def _score(self, index: int, images: Tensor, prompts: list[str], metadata: Any) -> dict[str, Tensor]:
+    def _score(
+        self, index: int, images: Tensor, prompts: list[str], metadata: Any, sources: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
         try:
             with torch.no_grad():  # grad mode is thread-local: set it in the worker
-                return self.reward(images, prompts, metadata)
+                return self.reward(images, prompts, metadata, **sources)
         except Exception as err:
             reward = getattr(err, "reward", None) or self.name
             detail = str(err) if isinstance(err, RewardError) else f"{type(err).__name__}: {err}"

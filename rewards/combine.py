@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Metadata, Reward, RewardError, as_score_dict, check_inputs
+from .base import Metadata, Reward, RewardError, accepts_source_images, as_score_dict, check_inputs, check_source_images
 from .nan_policy import check_nan_policy, raise_if_nonfinite
+from .video import FrameReward, takes_video
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,21 @@ class CombinedReward:
 
     A reward returning several scores with a ``total`` (a remote combined reward) contributes its
     ``total`` under ``key`` and the others as ``"key/sub"`` (logged, not weighted).
+
+    ``source_images`` (editing) goes to the rewards whose signature takes it, and only to those (decided once, here).
+
+    Videos ``(B, F, 3, H, W)`` (``rewards.video``): a reward that takes video gets the clips; any other one scores
+    them frame by frame through ``FrameReward(reward)``, the mean over all frames (a reward's ``frames`` option in
+    ``build_reward`` chooses the frames and the reduction instead).
     """
 
     def __init__(self, entries: Sequence[RewardEntry], *, nan_policy: str = "error") -> None:
         self.entries = list(entries)
         self.nan_policy = check_nan_policy(nan_policy)
+        self._takes_sources = {e.key: accepts_source_images(e.reward) for e in self.entries}
+        # what scores a video batch under each key: the reward itself, or its frame-by-frame wrapper
+        self._video = {e.key: e.reward if takes_video(e.reward) else FrameReward(e.reward, name=e.key)
+                       for e in self.entries}  # fmt: skip
 
     @property
     def weights(self) -> dict[str, float]:
@@ -53,6 +64,11 @@ class CombinedReward:
     @property
     def rewards(self) -> dict[str, Reward]:
         return {e.key: e.reward for e in self.entries}
+
+    @property
+    def needs_source_images(self) -> list[str]:
+        """Keys of the rewards that cannot score without source images (``uses_source_images``, e.g. consistency)."""
+        return [e.key for e in self.entries if getattr(e.reward, "uses_source_images", False)]
 
     def check_prompts(self, prompts: Sequence[str]) -> None:
         """Let each reward that can tell (``reward.check_prompts``, e.g. a task grammar) refuse prompts before any
@@ -63,15 +79,25 @@ class CombinedReward:
                 check(list(prompts))
 
     def __call__(
-        self, images: Tensor, prompts: Sequence[str], metadata: Metadata | None = None
+        self,
+        images: Tensor,
+        prompts: Sequence[str],
+        metadata: Metadata | None = None,
+        source_images: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        prompts, metadata = check_inputs(images, prompts, metadata)
+        prompts, metadata = check_inputs(images, prompts, metadata, video=True)
         batch = images.shape[0]
+        video = images.ndim == 5  # clips (B, F, 3, H, W)
+        if source_images is not None:
+            check_source_images(source_images, batch)
         out: dict[str, Tensor] = {}
         total = torch.zeros(batch, dtype=torch.float64)
         for e in self.entries:
+            reward = self._video[e.key] if video else e.reward
+            passes = source_images is not None and self._takes_sources[e.key] and reward is e.reward
+            sources = {"source_images": source_images} if passes else {}
             try:
-                raw = as_score_dict(e.reward(images, prompts, metadata), e.key, batch)
+                raw = as_score_dict(reward(images, prompts, metadata, **sources), e.key, batch)
             except Exception as err:  # name the reward: a trace through five wrappers does not
                 raise RewardError(f"reward '{e.key}' failed: {type(err).__name__}: {err}", reward=e.key) from err
             primary, extras = _primary(e.key, raw)

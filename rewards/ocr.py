@@ -47,12 +47,13 @@ def edit_distance(a: str, b: str) -> int:
     return prev[-1]
 
 
-def ocr_score(recognized: str, target: str) -> float:
-    """``1 - min(dist, len) / len`` on normalised text; 1 when the target appears in the recognised text."""
+def ocr_score(recognized: str, target: str, *, containment: bool = True) -> float:
+    """``1 - min(dist, len) / len`` on normalised text; with ``containment``, 1 when the target appears in the
+    recognised text (Flow-GRPO's image scorer; its video scorer has no such shortcut)."""
     recognized, target = normalize_text(recognized), normalize_text(target)
     if not target:
         raise ValueError("ocr reward: the quoted target text is empty")
-    if target in recognized:
+    if containment and target in recognized:
         return 1.0
     return 1.0 - min(edit_distance(recognized, target), len(target)) / len(target)
 
@@ -63,7 +64,9 @@ class OcrReward(BaseReward):
 
     Options: ``use_cls`` (run the text-direction classifier; Flow-GRPO runs without it),
     ``min_confidence`` (drop detections below it), ``engine_options`` (kwargs for ``RapidOCR``,
-    e.g. ``{"intra_op_num_threads": 4}``). It runs on the CPU whatever ``device`` says.
+    e.g. ``{"intra_op_num_threads": 4}``), ``containment`` (default true: a recognised text that contains the
+    target scores 1, as Flow-GRPO's image scorer; false: the edit distance alone, as its video scorer).
+    It runs on the CPU whatever ``device`` says.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class OcrReward(BaseReward):
         use_cls: bool = False,
         min_confidence: float = 0.0,
         engine_options: dict[str, Any] | None = None,
+        containment: bool = True,
     ) -> None:
         super().__init__(device="cpu", batch_size=batch_size)
         try:
@@ -85,6 +89,7 @@ class OcrReward(BaseReward):
         self.engine = RapidOCR(**(engine_options or {}))  # loads the bundled ONNX models once
         self.use_cls = use_cls
         self.min_confidence = min_confidence
+        self.containment = bool(containment)
 
     def recognize(self, image_hwc: np.ndarray) -> str:
         """All text RapidOCR finds in one uint8 RGB image, in its reading order."""
@@ -95,4 +100,5 @@ class OcrReward(BaseReward):
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Tensor:
         targets = [str(m["text"]) if "text" in m else quoted_text(p) for p, m in zip(prompts, metadata, strict=True)]
         pixels = to_uint8_hwc(images)
-        return torch.tensor([ocr_score(self.recognize(img), t) for img, t in zip(pixels, targets, strict=True)])
+        return torch.tensor([ocr_score(self.recognize(img), t, containment=self.containment)
+                             for img, t in zip(pixels, targets, strict=True)])  # fmt: skip

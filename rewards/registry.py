@@ -8,7 +8,13 @@ Accepted specs (the config's ``rewards:`` value):
     {"my_pkg.my_rewards:Brightness": 0.2}                    # custom class (or factory) by path
 
 ``weight`` defaults to 1.0; ``key`` renames a reward's output (needed to use one reward twice);
+``frames`` (videos only) sets how an image reward scores clips, ``{every: 4, reduce: positive_mean}``
+(``rewards.video.FrameReward``; without it: the mean over every frame);
 every other option goes to the reward's constructor, and ``device`` defaults to ``build_reward``'s.
+
+A custom reward (class or factory) is called as ``reward(images, prompts, metadata)``; to receive the source image
+of each edit as well (image editing), give its ``__call__`` a ``source_images`` parameter (``None`` when the data has
+no source images), or subclass ``BaseReward`` with ``uses_source_images = True``, as ``consistency`` does.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from .base import BaseReward, Reward
 from .combine import CombinedReward, RewardEntry
 from .nan_policy import check_nan_policy
+from .video import FrameReward
 
 REWARDS: dict[str, Callable[..., Reward]] = {}
 _R = TypeVar("_R")
@@ -199,5 +206,22 @@ def build_reward(spec: Any, device: str | torch.device = "cpu", *, nan_policy: s
             raise ValueError(f"rewards.{name}: key '{key}' is reserved; choose another with key=...")
         if any(e.key == key for e in built):
             raise ValueError(f"rewards: key '{key}' appears twice; give each a distinct key=... option")
-        built.append(RewardEntry(key, float(weight), _instantiate(name, item, device)))
+        frames = item.pop("frames", None)
+        reward = _instantiate(name, item, device)
+        if frames is not None:
+            reward = _frame_reward(name, key, reward, frames)
+        built.append(RewardEntry(key, float(weight), reward))
     return CombinedReward(built, nan_policy=nan_policy)
+
+
+def _frame_reward(name: str, key: str, reward: Reward, frames: Any) -> FrameReward:
+    """The ``frames`` option: how an image reward scores videos (``rewards.video.FrameReward``)."""
+    if not isinstance(frames, Mapping):
+        raise ValueError(f"rewards.{name}.frames must be a mapping such as {{every: 4, reduce: mean}}; got {frames!r}")
+    unknown = sorted(set(frames) - {"every", "reduce"})
+    if unknown:
+        raise ValueError(f"rewards.{name}.frames: unknown option(s) {', '.join(unknown)}; accepted: every, reduce")
+    try:
+        return FrameReward(reward, name=key, **frames)
+    except ValueError as err:
+        raise ValueError(f"rewards.{name}: {err}") from None

@@ -25,7 +25,7 @@ from ._core import (
     make_transition,
 )
 
-Diffusion = Literal["flowgrpo", "dance"]
+Diffusion = Literal["flowgrpo", "dance", "flowgrpo_wan"]
 VelocityFn = Callable[[Tensor, TimeLike], Tensor]
 
 
@@ -59,7 +59,24 @@ def dance_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | None = N
     return torch.full_like(torch.as_tensor(t, dtype=torch.float32), noise_level)
 
 
-DIFFUSIONS: dict[str, Callable[..., Tensor]] = {"flowgrpo": flowgrpo_diffusion, "dance": dance_diffusion}
+def flowgrpo_wan_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | None = None) -> Tensor:
+    """Flow-GRPO's Wan2.1 diffusion ``g(t) = a · t_second · t``: linear in t, scaled by the schedule's second sigma.
+
+    Its ``wan_pipeline_with_logprob.py`` sets ``std_dev_t = sigma_min + (sigma_max - sigma_min) · sigma`` with
+    ``sigma_max = sigmas[1]`` and ``sigma_min = sigmas[-1] = 0`` (no noise-level knob): ``a = 1`` here.
+    """
+    if t_second is None:
+        raise ValueError("the flowgrpo_wan diffusion needs t_second (the schedule's second sigma)")
+    t = torch.as_tensor(t, dtype=torch.float32)
+    t_second = torch.as_tensor(t_second, dtype=torch.float32, device=t.device)
+    if t_second.ndim == 1 and t.ndim:
+        t_second = t_second.view_as(t)
+    return noise_level * t_second * t
+
+
+DIFFUSIONS: dict[str, Callable[..., Tensor]] = {
+    "flowgrpo": flowgrpo_diffusion, "dance": dance_diffusion, "flowgrpo_wan": flowgrpo_wan_diffusion,
+}  # fmt: skip
 
 
 def _diffusion(name: str) -> Callable[..., Tensor]:

@@ -1,7 +1,10 @@
-"""Benchmarks, reported as ratios measured in one run (never as timed test assertions).
+"""Benchmarks, reported as ratios measured side by side in one run (never as timed test assertions).
 
-    python scripts/bench.py rollout [options]
-    python scripts/bench.py rewards [options]
+    python scripts/bench.py <name> [options] [--json PATH]     # one benchmark: a markdown table and JSON
+    python scripts/bench.py all                               # every benchmark at CPU sizes -> docs/benchmarks.md
+
+names: rollout, rewards, train-step, window, epoch, memory, scaling, gpu (the real-size GPU figures of
+scripts/gpu_bench.sh), all. ``python scripts/bench.py <name> --help`` says what each measures and how.
 """
 
 from __future__ import annotations
@@ -12,6 +15,13 @@ import sys
 BENCHMARKS = {
     "rollout": "flowgrpo.benchmarks.rollout",
     "rewards": "flowgrpo.benchmarks.rewards",
+    "train-step": "flowgrpo.benchmarks.train_step",
+    "window": "flowgrpo.benchmarks.window",
+    "epoch": "flowgrpo.benchmarks.epoch",
+    "memory": "flowgrpo.benchmarks.memory",
+    "scaling": "flowgrpo.benchmarks.scaling",
+    "gpu": "flowgrpo.benchmarks.gpu",
+    "all": "flowgrpo.benchmarks.report",
 }
 
 

@@ -9,7 +9,7 @@ import torch
 from flowgrpo.adapters import make_adapter
 from flowgrpo.config import EvalConfig
 from flowgrpo.data import PromptDataset
-from flowgrpo.evaluation import evaluate, write_report
+from flowgrpo.evaluation import evaluate, summarize, write_report
 from flowgrpo.tiny import build_tiny_pipeline
 from rewards import build_reward
 
@@ -37,3 +37,18 @@ def test_per_tag_means_shards_and_report(tmp_path):
     report = json.loads((tmp_path / "report" / "eval.json").read_text())
     assert report["summary"] == summary and len(report["images"]) == 5
     assert (tmp_path / "report" / "eval.png").stat().st_size > 0
+
+
+def test_summary_sub_scores_skip_images_they_do_not_apply_to_and_trained_scores_show_nan():
+    dataset = PromptDataset(["a", "b", "c", "d"], [{"tag": "counting"}, {"tag": "colors"}, {"tag": "counting"}, {}])
+    nan = float("nan")
+    scores = {
+        "total": torch.tensor([0.5, 1.0, nan, 0.0]),  # a failed reward on image 2
+        "geneval": torch.tensor([0.5, 1.0, 0.25, 0.0]),
+        "geneval/counting_accuracy": torch.tensor([1.0, nan, 0.0, nan]),  # GenEval's per-tag sub-scores
+    }
+    summary = summarize(dataset, [0, 1, 2, 3], scores)
+    assert summary["geneval/counting_accuracy"] == 0.5  # over the two counting images, not NaN
+    assert summary["geneval"] == 0.4375 and summary["geneval/tag/colors"] == 1.0
+    assert summary["total"] != summary["total"] and summary["total/tag/colors"] == 1.0  # NaN shows where it is
+    assert summary["geneval/counting_accuracy/tag/colors"] != summary["geneval/counting_accuracy/tag/colors"]

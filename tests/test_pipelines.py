@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxPipeline, StableDiffusion3Pipeline
+from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 from huggingface_hub import constants as hf_constants
 
 from flowgrpo.pipelines import (
@@ -24,8 +24,12 @@ from flowgrpo.tiny import TINY_SIZES, build_tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["sd3", "flux"]
-CLASSES = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}
-GUIDANCE = {"sd3": 4.5, "flux": 3.5}  # SD3: CFG (batched uncond+cond); FLUX: guidance embedding
+ALL_KINDS = [*KINDS, "qwenimage"]  # the tests that need no family-specific component checks run on Qwen-Image too
+CLASSES = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "qwenimage": QwenImagePipeline}
+PIPE_KWARGS = {  # SD3: CFG (batched uncond+cond); FLUX: guidance embedding; Qwen-Image: true CFG, negative prompt
+    "sd3": {"guidance_scale": 4.5}, "flux": {"guidance_scale": 3.5},
+    "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
+}  # fmt: skip
 PROMPT = "a red cube on a table"
 
 
@@ -42,7 +46,7 @@ def _latents(kind: str, height: int, width: int, seed: int = 0) -> torch.Tensor:
     sizes = TINY_SIZES[kind]
     c, f = sizes["latent_channels"], sizes["vae_scale_factor"]
     x = torch.randn(1, c, height // f, width // f, generator=torch.Generator().manual_seed(seed))
-    if kind == "flux":  # FLUX takes latents packed into 2x2 patches: (B, tokens, 4c)
+    if kind in ("flux", "qwenimage"):  # FLUX / Qwen-Image take latents packed into 2x2 patches: (B, tokens, 4c)
         x = FluxPipeline._pack_latents(x, 1, c, height // f, width // f)
     return x
 
@@ -51,7 +55,7 @@ def _generate(pipe, kind: str, latents: torch.Tensor, height: int = 32, width: i
     return pipe(
         PROMPT,
         num_inference_steps=2,
-        guidance_scale=GUIDANCE[kind],
+        **PIPE_KWARGS[kind],
         height=height,
         width=width,
         latents=latents.clone(),
@@ -59,7 +63,7 @@ def _generate(pipe, kind: str, latents: torch.Tensor, height: int = 32, width: i
     ).images
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_build_is_deterministic_per_seed(kind):
     rng_before = torch.get_rng_state()
     a, b, c = build_tiny_pipeline(kind, seed=0), build_tiny_pipeline(kind, seed=0), build_tiny_pipeline(kind, 1)
@@ -91,7 +95,7 @@ def test_components_eval_and_kind(kind):
     assert t5_tok.unk_token_id not in t5_tok("Hello, World 42!").input_ids
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("height,width", [(32, 32), (32, 48)])
 def test_pipe_generates_finite_images_of_the_asked_size(kind, height, width):
     pipe = build_tiny_pipeline(kind)
@@ -109,7 +113,7 @@ def test_pipe_runs_in_bf16():
     assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_save_then_load_reproduces_the_in_memory_pipeline(kind, tmp_path):
     pipe = build_tiny_pipeline(kind, seed=5)
     pipe.save_pretrained(tmp_path, safe_serialization=True)
@@ -132,7 +136,7 @@ def test_save_then_load_reproduces_the_in_memory_pipeline(kind, tmp_path):
         # into fresh memory, its output is bit-equal again). 1e-5 on images in [0, 1] is ~100 fp32 ulps at 1.0:
         # room for that, far below what a changed config (scheduler, dtype, a component) would move.
         torch.testing.assert_close(_generate(loaded, kind, latents), expected, rtol=0, atol=1e-5)
-        for name in ("tokenizer", "tokenizer_2") + (("tokenizer_3",) if kind == "sd3" else ()):
+        for name in [n for n in pipe.components if n.startswith("tokenizer")]:
             assert getattr(loaded, name)(PROMPT).input_ids == getattr(pipe, name)(PROMPT).input_ids
     assert not any(
         sub.training for m in by_us.components.values() if isinstance(m, torch.nn.Module) for sub in m.modules()

@@ -34,6 +34,8 @@ def test_quoted_text_and_formula():
     assert edit_distance("kitten", "sitting") == 3 and edit_distance("", "abc") == 3 and edit_distance("ab", "ab") == 0
     assert ocr_score("OPEN 24 hours", "open24hours") == 1.0  # spaces and case are normalised away
     assert ocr_score("xx open 24 hours xx", "Open 24 Hours") == 1.0  # contained
+    # Flow-GRPO's video scorer: the edit distance alone, 1 - min(4, 11) / 11
+    assert ocr_score("xx open 24 hours xx", "Open 24 Hours", containment=False) == pytest.approx(1 - 4 / 11)
     assert ocr_score("HELLO WORLB", "hello world") == pytest.approx(1 - 1 / 10)
     assert ocr_score("", "hello") == 0.0
     assert ocr_score("a completely different and much longer text", "hello") == 0.0  # distance capped at len

@@ -1,4 +1,5 @@
-"""Adapters and rollouts on tiny random SD3 / FLUX pipelines: alignment with pipe(), exact re-scoring, LoRA."""
+"""Adapters and rollouts on tiny random SD3 / FLUX / Qwen-Image pipelines: alignment with pipe(), exact re-scoring,
+LoRA (Qwen-Image's own cases: test_qwenimage.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ from flowgrpo.rollout import evaluate_transitions, rollout
 from flowgrpo.tiny import build_tiny_pipeline
 
 SIZE = 32
-GUIDANCE = {"sd3": 4.5, "flux": 3.5}  # SD3 with CFG, FLUX through its guidance embedding
+GUIDANCE = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0}  # SD3 with CFG, FLUX its guidance embedding, Qwen true CFG
+# The same guidance as pipe() takes it (Qwen-Image: true_cfg_scale, with the adapter's negative prompt, "").
+PIPE_GUIDANCE = {
+    "sd3": {"guidance_scale": 4.5}, "flux": {"guidance_scale": 3.5},
+    "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": ""},
+}  # fmt: skip
 PROMPTS = ['a sign that says "hello"', "a red cube", "a red cube", "a blue ball"]
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux"])
+@pytest.fixture(scope="module", params=["sd3", "flux", "qwenimage"])
 def kind(request):
     return request.param
 
@@ -30,7 +36,7 @@ def test_noise_free_rollout_reproduces_pipe(kind, steps):
     adapter = _adapter(kind)
     latents = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, generator=torch.Generator().manual_seed(0))
     expected = adapter.pipe(
-        prompt=PROMPTS, latents=latents.clone(), num_inference_steps=steps, guidance_scale=GUIDANCE[kind],
+        prompt=PROMPTS, latents=latents.clone(), num_inference_steps=steps, **PIPE_GUIDANCE[kind],
         height=SIZE, width=SIZE, output_type="pt",
     ).images  # fmt: skip
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=GUIDANCE[kind])
@@ -72,7 +78,8 @@ def test_rescoring_the_stored_trajectory_gives_ratio_exactly_one(kind, sampler_k
 def test_text_encoders_run_once_per_unique_prompt(kind):
     adapter = _adapter(kind)
     pipe = adapter.pipe
-    encoders = [m for m in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)) if m]
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    encoders = [m for m in (getattr(pipe, name, None) for name in names) if m]
     rows = {id(e): [] for e in encoders}
     for encoder in encoders:
         encoder.register_forward_hook(lambda mod, args, kwargs, out: rows[id(mod)].append(
@@ -81,7 +88,7 @@ def test_text_encoders_run_once_per_unique_prompt(kind):
     for epoch in range(2):
         rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 1), torch.Generator().manual_seed(epoch),
                 height=SIZE, width=SIZE, decode=False)  # fmt: skip
-    unique = len(set(PROMPTS)) + (1 if kind == "sd3" else 0)  # SD3 adds the empty negative prompt for CFG
+    unique = len(set(PROMPTS)) + adapter.needs_negative(GUIDANCE[kind])  # CFG adds the (empty) negative prompt
     for encoder in encoders:
         assert rows[id(encoder)] == [unique], (type(encoder).__name__, rows[id(encoder)])
     assert adapter.text_encoder_calls == 1

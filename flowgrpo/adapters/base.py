@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from samplers import pipeline_schedule, static_shift_schedule
@@ -22,14 +23,24 @@ class PromptEmbeds:
     """Text conditioning for a batch, one row per image (rows of the same prompt share storage).
 
     prompt_embeds:   [B, L, D] token embeddings fed as ``encoder_hidden_states``
-    pooled:          [B, P]    pooled embeddings fed as ``pooled_projections``
+    pooled:          [B, P]    pooled embeddings fed as ``pooled_projections`` (None: the family has none, Qwen-Image)
     negative_embeds / negative_pooled: the empty prompt's, for classifier-free guidance (SD3), or None
+    mask / negative_mask: [B, L] 1 for a real token, 0 for padding, for families whose prompts vary in length
+                     (Qwen-Image; each batch is zero-padded to its longest prompt), or None: every token is real
+    source_latents:  [B, S, C] editing only: each row's source image in the transformer's token layout (FLUX.1-Kontext:
+                     packed VAE latents, appended to the image sequence), or None (text-to-image)
+    source_images:   [B, 3, h, w] editing only: the source images as the model sees them, float in [0, 1] on the CPU
+                     (what rewards get as ``source_images``), or None
     """
 
     prompt_embeds: Tensor
-    pooled: Tensor
+    pooled: Tensor | None = None
     negative_embeds: Tensor | None = None
     negative_pooled: Tensor | None = None
+    mask: Tensor | None = None
+    negative_mask: Tensor | None = None
+    source_latents: Tensor | None = None
+    source_images: Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
@@ -42,11 +53,27 @@ class PromptEmbeds:
 
     @staticmethod
     def cat(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
+        """The rows of several batches; masked token fields of different lengths are zero-padded to the longest."""
         values = {}
         for f in fields(PromptEmbeds):
             items = [getattr(p, f.name) for p in parts]
-            values[f.name] = None if any(v is None for v in items) else torch.cat(items)
+            if any(v is None for v in items):
+                values[f.name] = None
+                continue
+            length = max(v.shape[1] for v in items) if f.name in _TOKEN_FIELDS else None
+            if length is not None and any(v.shape[1] != length for v in items):
+                if any(getattr(p, _MASK_OF[f.name]) is None for p in parts):
+                    raise ValueError(f"PromptEmbeds.cat: {f.name} of different lengths needs a mask to be padded")
+                items = [torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, length - v.shape[1])) for v in items]
+            values[f.name] = torch.cat(items)
         return PromptEmbeds(**values)
+
+
+# Token fields ([B, L, ...]) and the mask that says which of their positions are padding.
+_MASK_OF = {
+    "prompt_embeds": "mask", "mask": "mask", "negative_embeds": "negative_mask", "negative_mask": "negative_mask",
+}  # fmt: skip
+_TOKEN_FIELDS = frozenset(_MASK_OF)
 
 
 def _take(value: Tensor | None, index: Any) -> Tensor | None:
@@ -76,6 +103,9 @@ class PipelineAdapter:
     family: ClassVar[str]
     default_lora_targets: ClassVar[tuple[str, ...]]
     uses_cfg: ClassVar[bool]  # classifier-free guidance with a negative prompt (SD3), or not (FLUX)
+    edits: ClassVar[bool] = False  # takes a source image per prompt (FLUX.1-Kontext); see encode_conditions
+    schedule_family: ClassVar[str | None] = None  # how pipe() sets its sigmas (samplers.pipeline_schedule): "sd3" |
+    # "flux"; None: the family's own name
 
     def __init__(self, pipe: Any, *, negative_prompt: str = "") -> None:
         self.pipe = pipe
@@ -85,6 +115,8 @@ class PipelineAdapter:
         self.negative_prompt = negative_prompt
         self._cache: dict[str, tuple[Tensor, Tensor]] = {}
         self.text_encoder_calls = 0  # batched encode calls, for tests and logs
+        self._source_cache: dict[tuple[str, int, int], tuple[Tensor, Tensor]] = {}  # (image, h, w) -> (pixels, latents)
+        self.source_encoder_calls = 0  # batched source-image encode calls (editing)
 
     # ------------------------------------------------------------------ family-specific
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
@@ -127,6 +159,11 @@ class PipelineAdapter:
         return next(unwrap(self.transformer).parameters()).dtype
 
     @property
+    def latent_dtype(self) -> torch.dtype:
+        """The dtype latents are integrated in, as the family's ``pipe()`` keeps them (the model's by default)."""
+        return self.dtype
+
+    @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this (VAE downsampling × patching)."""
         raise NotImplementedError
@@ -146,6 +183,20 @@ class PipelineAdapter:
 
         ``with_negative`` adds the empty/negative prompt's embeddings (encoded once) for CFG.
         """
+        prompts = self._encode_missing(prompts, with_negative)
+        embeds = torch.stack([self._cache[p][0] for p in prompts])
+        pooled = torch.stack([self._cache[p][1] for p in prompts])
+        if not with_negative:
+            return PromptEmbeds(embeds, pooled)
+        neg_embeds, neg_pooled = self._cache[self.negative_prompt]
+        n = len(prompts)
+        return PromptEmbeds(
+            embeds, pooled, neg_embeds.expand(n, *neg_embeds.shape), neg_pooled.expand(n, *neg_pooled.shape)
+        )
+
+    def _encode_missing(self, prompts: Sequence[str], with_negative: bool) -> list[str]:
+        """Check ``prompts`` and fill the cache: one batched ``_encode`` of those (and of the negative prompt, with
+        ``with_negative``) not encoded yet. Returns ``prompts`` as a list."""
         prompts = list(prompts)
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt, got an empty list")
@@ -158,15 +209,67 @@ class PipelineAdapter:
             embeds, pooled = self._encode(missing)
             for i, prompt in enumerate(missing):
                 self._cache[prompt] = (embeds[i], pooled[i])
-        embeds = torch.stack([self._cache[p][0] for p in prompts])
-        pooled = torch.stack([self._cache[p][1] for p in prompts])
-        if not with_negative:
-            return PromptEmbeds(embeds, pooled)
-        neg_embeds, neg_pooled = self._cache[self.negative_prompt]
-        n = len(prompts)
-        return PromptEmbeds(
-            embeds, pooled, neg_embeds.expand(n, *neg_embeds.shape), neg_pooled.expand(n, *neg_pooled.shape)
-        )
+        return prompts
+
+    # ------------------------------------------------------------------ editing: a source image per prompt
+    def encode_conditions(
+        self,
+        prompts: Sequence[str],
+        *,
+        with_negative: bool = False,
+        sources: Sequence[Any] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> PromptEmbeds:
+        """Everything a rollout conditions on: :meth:`encode_prompts`, and for editing each prompt's source image
+        (``sources``: file paths or PIL images, one per prompt) as ``source_latents`` / ``source_images``.
+
+        A family whose text encoder also reads the image (Qwen-Image-Edit) overrides this method."""
+        embeds = self.encode_prompts(prompts, with_negative=with_negative)
+        if sources is None:
+            return embeds
+        if len(sources) != len(embeds):
+            raise ValueError(f"{len(sources)} source images for {len(embeds)} prompts: give one per prompt")
+        if height is None or width is None:
+            raise ValueError("source images are prepared for the generated size: pass height and width")
+        images, latents = self.encode_sources(sources, height, width)
+        return replace(embeds, source_latents=latents, source_images=images)
+
+    @torch.no_grad()
+    def encode_sources(self, sources: Sequence[Any], height: int, width: int) -> tuple[Tensor, Tensor]:
+        """``(images [B, 3, h, w] in [0, 1] on the CPU, latents [B, S, C])`` of each prompt's source image. Each
+        unique image is loaded and encoded once per size, in one batch, and cached until :meth:`clear_prompt_cache`
+        (like the prompts)."""
+        from ..data import image_key, open_image
+
+        if not self.edits:
+            raise ValueError(
+                f"{self.family} generates from text alone, but the prompts come with source images (an editing "
+                'prompt file): use an editing pipeline (FLUX.1-Kontext), or prompts without an "image" field'
+            )
+        self.check_size(height, width)
+        keys = [(image_key(s), height, width) for s in sources]
+        missing = {k: s for k, s in zip(keys, sources, strict=True) if k not in self._source_cache}
+        if missing:
+            self.source_encoder_calls += 1
+            pixels = torch.cat([self._prepare_source(open_image(s), height, width) for s in missing.values()])
+            latents = self._encode_sources(pixels)
+            for i, key in enumerate(missing):
+                self._source_cache[key] = (((pixels[i].float() + 1) / 2).clamp(0, 1).cpu(), latents[i])
+        rows = [self._source_cache[k] for k in keys]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    def _prepare_source(self, image: Any, height: int, width: int) -> Tensor:
+        """An RGB PIL source image as the model takes it: ``[1, 3, h, w]`` in [-1, 1]. Default: resized to the
+        generated size, bicubic (Flow-GRPO's ``ref_image.resize((resolution, resolution))``), then the pipeline's own
+        image processor (scaling to [-1, 1])."""
+        if image.size != (width, height):
+            image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+        return self.pipe.image_processor.preprocess(image, height, width)
+
+    def _encode_sources(self, pixels: Tensor) -> Tensor:
+        """Source images ``[N, 3, h, w]`` in [-1, 1] -> ``[N, S, C]`` tokens in the transformer's layout."""
+        raise NotImplementedError(f"{self.family} takes no source images")
 
     def needs_negative(self, guidance_scale: float) -> bool:
         """Whether ``velocity`` at this guidance scale uses the negative prompt's embeddings."""
@@ -174,6 +277,7 @@ class PipelineAdapter:
 
     def clear_prompt_cache(self) -> None:
         self._cache.clear()
+        self._source_cache.clear()
 
     def schedule(
         self, num_steps: int, height: int, width: int, *, time_shift: float | None = None
@@ -187,7 +291,10 @@ class PipelineAdapter:
         if time_shift is not None:
             return static_shift_schedule(num_steps, time_shift, device=self.device)
         sigmas, timesteps = pipeline_schedule(
-            self.scheduler, num_steps, family=self.family, image_seq_len=self.image_seq_len(height, width),
+            self.scheduler,
+            num_steps,
+            family=self.schedule_family or self.family,
+            image_seq_len=self.image_seq_len(height, width),
             device=self.device,
         )
         return sigmas, timesteps
@@ -236,7 +343,7 @@ class PipelineAdapter:
         else:
             device = generator.device if generator is not None else self.device
             noise = torch.randn((batch_size, *shape), generator=generator, device=device, dtype=torch.float32)
-        return noise.to(device=self.device, dtype=self.dtype)
+        return noise.to(device=self.device, dtype=self.latent_dtype)
 
     @torch.no_grad()
     def decode(self, latents: Tensor, height: int, width: int) -> Tensor:
@@ -264,8 +371,9 @@ class PipelineAdapter:
         model = unwrap(self.transformer)
         model.requires_grad_(False)
         config = LoraConfig(
-            r=rank, lora_alpha=alpha, init_lora_weights=init, target_modules=targets, lora_dropout=dropout
-        )
+            r=rank, lora_alpha=alpha, init_lora_weights=init, target_modules=targets, lora_dropout=dropout,
+            exclude_modules=self.lora_exclude(model) or None,
+        )  # fmt: skip
         try:
             model.add_adapter(config)
         except ValueError as err:
@@ -275,6 +383,12 @@ class PipelineAdapter:
             param.requires_grad_("lora_" in name)
             if param.requires_grad:  # LoRA weights train in float32 even when the base runs in bf16/fp16
                 param.data = param.data.float()
+
+    @staticmethod
+    def lora_exclude(transformer: torch.nn.Module) -> list[str]:
+        """Modules of ``transformer`` that get no LoRA whatever the targets: layers whose output never reaches the
+        prediction (their LoRA weights would get no gradient, and DDP refuses unused parameters). Default: none."""
+        return []
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in unwrap(self.transformer).parameters() if p.requires_grad]
@@ -304,6 +418,17 @@ class PipelineAdapter:
 
     def enable_gradient_checkpointing(self) -> None:
         unwrap(self.transformer).enable_gradient_checkpointing()
+
+    def compile(self, **options: Any) -> None:
+        """``torch.compile`` the transformer in place (``nn.Module.compile``; ``model.compile``). Every forward through
+        it runs compiled: the rollout's, the loss's re-evaluation and the KL reference's alike, so a re-evaluation on
+        the rollout's batch reproduces its log-probs exactly (tested). The module, its parameter names (checkpoints)
+        and the peft adapter switches stay as they are. Call it after LoRA and gradient checkpointing are set up and
+        before ``accelerator.prepare``. ``options`` go to ``torch.compile`` (``backend``, ``mode``, ``dynamic``).
+
+        Grad mode, train/eval mode and the adapter switch each get their own graph (three for a training run with KL,
+        a fourth for evaluation), compiled on first use: minutes on a CPU, the first epoch's cost."""
+        unwrap(self.transformer).compile(**options)
 
     def set_attention_backend(self, backend: str) -> None:
         """``sdpa`` (PyTorch's default kernels) or ``xformers`` (CUDA only)."""

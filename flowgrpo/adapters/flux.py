@@ -78,11 +78,16 @@ class FluxAdapter(PipelineAdapter):
         timestep = self._timestep(sigma, batch, timestep).to(latents.dtype)
         text = embeds.prompt_embeds
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
-        return self.transformer(
-            hidden_states=latents, timestep=timestep / 1000, guidance=guidance, pooled_projections=embeds.pooled,
-            encoder_hidden_states=embeds.prompt_embeds, txt_ids=text_ids, img_ids=self._ids_for(latents.shape[1]),
-            return_dict=False,
+        hidden, image_ids = self._image_tokens(latents, embeds)
+        out = self.transformer(
+            hidden_states=hidden, timestep=timestep / 1000, guidance=guidance, pooled_projections=embeds.pooled,
+            encoder_hidden_states=embeds.prompt_embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False,
         )[0]  # fmt: skip
+        return out[:, : latents.shape[1]]  # the generated image's tokens (an editing family appends its source's)
+
+    def _image_tokens(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, Tensor]:
+        """The image-stream tokens ``[B, N, C]`` and their positional ids ``[N, 3]``: the latents alone (FLUX.1)."""
+        return latents, self._ids_for(latents.shape[1])
 
     def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
         return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)

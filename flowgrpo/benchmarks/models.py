@@ -24,11 +24,17 @@ def _real_vae(latent_channels: int, scaling_factor: float, shift_factor: float) 
     )  # fmt: skip
 
 
-def build_random_pipeline(kind: str, *, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16):
-    """A pipeline whose transformer and VAE have the real model's architecture, with random weights."""
+def build_random_pipeline(
+    kind: str, *, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+):
+    """A pipeline whose transformer and VAE have the real model's architecture, with random weights, on ``device``.
+
+    The big modules are created (and randomly initialised) on ``device`` directly: FLUX.1-dev's 12 B parameters take
+    seconds to initialise on a GPU, minutes on the host."""
     pipe = build_tiny_pipeline(kind, seed=0)
     text = pipe.transformer.config
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(0)
         if kind == "sd3":  # SD3.5-Medium
             layers = num_layers or 24
@@ -56,7 +62,7 @@ def build_random_pipeline(kind: str, *, num_layers: int | None = None, dtype: to
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # diffusers warns on every .to(dtype) about an empty fp32 list
     try:
-        pipe.to(dtype=dtype)
+        pipe.to(device=device, dtype=dtype)
     finally:
         diffusers_logging.set_verbosity(verbosity)
     return pipe

@@ -32,6 +32,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "jpeg_incompressibility": {"name": "jpeg_incompressibility"},
     "clipscore": {"name": "clipscore", "model": "ViT-B-32", "random_init": True},
 }
+SMOKE_ARGS = ["--rewards", "jpeg_compressibility", "--batch-size", "2", "--size", "64", "--batches", "2", "--repeats",
+              "1", "--modes", "sleep"]  # fmt: skip
 
 
 def text_batch(batch: int, size: int) -> tuple[torch.Tensor, list[str]]:
@@ -93,8 +95,9 @@ def overlap(reward: Any, images: torch.Tensor, prompts: list[str], batches: int,
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bench.py rewards", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.py rewards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--size", type=int, default=256, help="image side in pixels")
     parser.add_argument("--batches", type=int, default=6, help="batches in the overlap loop")
@@ -106,8 +109,10 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs a download
 
     images, prompts = text_batch(args.batch_size, args.size)
-    print(f"rewards on {args.device}: batch {args.batch_size}, {args.size}x{args.size}, torch threads "
-          f"{torch.get_num_threads()}, CPUs {os.cpu_count()}")
+    print(
+        f"rewards on {args.device}: batch {args.batch_size}, {args.size}x{args.size}, torch threads "
+        f"{torch.get_num_threads()}, CPUs {os.cpu_count()}"
+    )
     print(f"{'reward':<26}{'images/s':>10}{'ms/image':>10}")
     for name in args.rewards.split(","):
         rate = throughput(name, images, prompts, args.device, args.repeats)
@@ -118,11 +123,15 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     reward(images, prompts)
     sample_s = time.perf_counter() - start
-    print(f"\noverlap: ocr + jpeg_compressibility, {args.batches} batches, sampler ≈ {sample_s:.2f} s/batch "
-          f"(ideal ratio {0.5 + 0.5 / args.batches:.2f}, target ≤ 0.6)")
+    print(
+        f"\noverlap: ocr + jpeg_compressibility, {args.batches} batches, sampler ≈ {sample_s:.2f} s/batch "
+        f"(ideal ratio {0.5 + 0.5 / args.batches:.2f}, target ≤ 0.6)"
+    )
     print(f"{'sampler':<10}{'sampling s':>12}{'scoring s':>12}{'wall s':>10}{'wall/(samp+score)':>20}{'floor':>8}")
     for mode in args.modes.split(","):
         r = overlap(reward, images, prompts, args.batches, mode, sample_s)
-        print(f"{mode:<10}{r['sampling']:>12.2f}{r['scoring']:>12.2f}{r['wall']:>10.2f}{r['ratio']:>20.2f}"
-              f"{r['ideal']:>8.2f}")
+        print(
+            f"{mode:<10}{r['sampling']:>12.2f}{r['scoring']:>12.2f}{r['wall']:>10.2f}{r['ratio']:>20.2f}"
+            f"{r['ideal']:>8.2f}"
+        )
     return 0

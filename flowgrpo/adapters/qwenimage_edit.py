@@ -1,0 +1,156 @@
+"""Qwen-Image-Edit adapter (``QwenImageEditPipeline``): Qwen-Image plus a source image that conditions twice. Its
+packed VAE latents are appended to the image token sequence (a second entry in ``img_shapes``), and the Qwen2.5-VL
+text encoder reads it with the instruction (the edit chat template, its first 64 tokens dropped), so a text embedding
+belongs to a (prompt, source image) pair, the negative prompt's too.
+
+As the pipeline does (diffusers ``QwenImageEditPipeline.__call__`` / ``prepare_latents`` / ``_encode_vae_image``): the
+source is VAE-encoded once with a frame axis (the posterior's mode, ``(z - latents_mean) / latents_std``), packed 2x2,
+concatenated after the noisy latents at every step, and the output is cut back to the generated tokens. Everything
+else is Qwen-Image's (:class:`QwenImageAdapter`): the schedule's dynamic shift from the generated token count only,
+true CFG with the negative prompt (read with the same source image) and the norm rescale, decoding.
+
+Source size. ``pipe()`` resizes the source to ``calculate_dimensions(1024², aspect ratio)`` whatever the output size.
+Flow-GRPO's ``train_qwenimage_edit.py`` resizes every source to the training resolution first (``ref_image.resize``,
+bicubic) and its ``pipeline_with_logprob`` sizes it with ``calculate_dimensions(height · width, ratio)`` instead; this
+adapter does the same (:meth:`source_size`: the generated size rounded to multiples of 32), so every source of a batch
+has the same size. A rollout then equals ``pipe(image=<the source resized to W x H>, height=H, width=W)`` with the area
+``H · W`` in place of ``1024²`` in ``calculate_dimensions`` (tests/test_qwenimage_edit.py swaps it so), and plain
+``pipe()`` as it is whenever ``H · W = 1024²`` (e.g. 1024x1024).
+
+The text encoder gets the sized source as a PIL image, as ``pipe()`` gives it (Flow-GRPO's pipeline hands it the
+[-1, 1] tensor instead). ``max_sequence_length`` is checked but, as in ``pipe()``, nothing is truncated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
+from torch import Tensor
+
+from .base import PromptEmbeds
+from .qwenimage import QwenImageAdapter, _pad_rows
+
+
+class QwenImageEditAdapter(QwenImageAdapter):
+    """``QwenImageEditPipeline``. Needs a source image per prompt (:meth:`encode_conditions` with ``sources``);
+    ``guidance_scale`` is ``true_cfg_scale`` as for Qwen-Image."""
+
+    family = "qwenimage-edit"
+    edits = True
+    requires_sources = True  # unlike FLUX.1-Kontext, the pipeline cannot generate from text alone
+    # Flow-GRPO's train_qwenimage_edit.py trains the same twelve Linear layers as its Qwen-Image script.
+    default_lora_targets = QwenImageAdapter.default_lora_targets
+
+    def __init__(self, pipe: Any, **options: Any) -> None:
+        super().__init__(pipe, **options)
+        self._pair_cache: dict[tuple[str, str, int, int], Tensor] = {}  # (prompt, image key, H, W) -> [L, D]
+
+    # ------------------------------------------------------------------ the source image
+    @staticmethod
+    def source_size(height: int, width: int) -> tuple[int, int]:
+        """``(h, w)`` of the source for a ``height`` x ``width`` output: ``calculate_dimensions(height · width,
+        width / height)`` (Flow-GRPO's sizing; multiples of 32 near the output size)."""
+        w, h, _ = calculate_dimensions(height * width, width / height)
+        return int(h), int(w)
+
+    def _source_image(self, image: Image.Image, height: int, width: int) -> Image.Image:
+        """The RGB source as the model sees it: resized to the output size (bicubic, Flow-GRPO's ``ref_image.resize``),
+        then to :meth:`source_size` by the pipeline's own ``image_processor.resize`` (a no-op when they agree)."""
+        if image.size != (width, height):
+            image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+        h, w = self.source_size(height, width)
+        return self.pipe.image_processor.resize(image, h, w)
+
+    def _prepare_source(self, image: Any, height: int, width: int) -> Tensor:
+        h, w = self.source_size(height, width)
+        return self.pipe.image_processor.preprocess(self._source_image(image, height, width), h, w)  # [1, 3, h, w]
+
+    def _encode_sources(self, pixels: Tensor) -> Tensor:
+        """``[N, 3, h, w]`` in [-1, 1] -> packed latents ``[N, (h/16)(w/16), 4C]`` (the pipeline's image_latents)."""
+        pipe = self.pipe
+        image = pixels.unsqueeze(2).to(device=self.vae.device, dtype=self.vae.dtype)  # the VAE's frame axis
+        latents = pipe._encode_vae_image(image, generator=None)  # [N, C, 1, h/8, w/8], normalised per channel
+        n, c, _, h, w = latents.shape
+        return pipe._pack_latents(latents, n, c, h, w).to(device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------------ conditions: text read with the image
+    def encode_prompts(self, prompts: Sequence[str], *, with_negative: bool = False) -> PromptEmbeds:
+        raise ValueError(
+            "qwenimage-edit: the text encoder reads each prompt with its source image; use "
+            "encode_conditions(prompts, sources=..., height=..., width=...)"
+        )
+
+    @torch.no_grad()
+    def encode_conditions(
+        self,
+        prompts: Sequence[str],
+        *,
+        with_negative: bool = False,
+        sources: Sequence[Any] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> PromptEmbeds:
+        """Text embeddings of each (prompt, source) pair (and of (negative prompt, source) with ``with_negative``),
+        each pair encoded once, unique pairs in one batched text-encoder pass, cached until
+        :meth:`clear_prompt_cache`; plus the sources' ``source_latents`` / ``source_images``
+        (:meth:`PipelineAdapter.encode_sources`). Rows are zero-padded to the batch's longest, with masks."""
+        from ..data import image_key, open_image
+
+        prompts = list(prompts)
+        if sources is None:
+            raise ValueError(
+                "qwenimage-edit edits images: give each prompt a source image (a .jsonl prompt file whose rows have "
+                'an "image"); QwenImageEditPipeline cannot generate from text alone'
+            )
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("encode_conditions needs a non-empty list of prompt strings")
+        if len(sources) != len(prompts):
+            raise ValueError(f"{len(sources)} source images for {len(prompts)} prompts: give one per prompt")
+        if height is None or width is None:
+            raise ValueError("source images are prepared for the generated size: pass height and width")
+        images, latents = self.encode_sources(sources, height, width)
+        keys = [image_key(s) for s in sources]
+        wanted = list(zip(prompts, keys, sources, strict=True))
+        if with_negative:
+            wanted += [(self.negative_prompt, k, s) for k, s in zip(keys, sources, strict=True)]
+        missing: dict[tuple[str, str, int, int], tuple[str, Any]] = {}
+        for text, key, source in wanted:
+            pair = (text, key, height, width)
+            if pair not in self._pair_cache:
+                missing.setdefault(pair, (text, source))
+        if missing:
+            self.text_encoder_calls += 1
+            shown = [self._source_image(open_image(s), height, width) for _, s in missing.values()]
+            embeds, mask = self.pipe.encode_prompt(prompt=[t for t, _ in missing.values()], image=shown,
+                                                   device=self.device)  # fmt: skip
+            lengths = [embeds.shape[1]] * len(missing) if mask is None else mask.sum(dim=1).tolist()
+            for i, pair in enumerate(missing):
+                self._pair_cache[pair] = embeds[i, : int(lengths[i])]
+        rows = [self._pair_cache[(p, k, height, width)] for p, k in zip(prompts, keys, strict=True)]
+        embeds, mask = _pad_rows(rows)
+        out = PromptEmbeds(embeds, mask=mask, source_latents=latents, source_images=images)
+        if not with_negative:
+            return out
+        negative, negative_mask = _pad_rows([self._pair_cache[(self.negative_prompt, k, height, width)] for k in keys])
+        return replace(out, negative_embeds=negative, negative_mask=negative_mask)
+
+    def clear_prompt_cache(self) -> None:
+        super().clear_prompt_cache()
+        self._pair_cache.clear()
+
+    # ------------------------------------------------------------------ velocity: the source tokens appended
+    def _image_tokens(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, list]:
+        if embeds.source_latents is None or embeds.source_images is None:
+            raise ValueError("qwenimage-edit needs each sample's source image: encode_conditions(..., sources=...)")
+        source = embeds.source_latents.to(device=latents.device, dtype=latents.dtype)
+        if source.shape[0] != latents.shape[0]:
+            raise ValueError(f"{source.shape[0]} source images for a batch of {latents.shape[0]} latents")
+        hidden, shapes = super()._image_tokens(latents, embeds)
+        f = self.pipe.vae_scale_factor * 2
+        h, w = embeds.source_images.shape[-2:]  # the source's size as the model saw it (rows, columns of 2x2 patches)
+        return torch.cat([hidden, source], dim=1), [[*s, (1, h // f, w // f)] for s in shapes]
