@@ -246,3 +246,29 @@ def test_bf16_weights_fp32_vae_and_exact_rescoring():
     with torch.no_grad():
         again = evaluate_transitions(adapter, traj, 1, sampler)
     assert torch.equal(again.log_prob, traj.log_probs[:, 1])  # same batch, precision and timesteps: ratio 1
+
+
+def test_flux_without_guidance_embedding_like_schnell_matches_pipe_and_rescores_exactly():
+    """FLUX.1-schnell's layout: no guidance embedding (the adapter passes guidance=None) and an unshifted schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    pipe = build_tiny_pipeline("flux")
+    config = {**pipe.transformer.config, "guidance_embeds": False}
+    torch.manual_seed(3)
+    pipe.transformer = FluxTransformer2DModel.from_config(config).eval()
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
+    adapter = make_adapter(pipe)
+    sigmas, _ = adapter.schedule(4, SIZE, SIZE)
+    assert sigmas.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+    latents = adapter.initial_noise(2, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    expected = pipe(prompt=PROMPTS[:2], latents=latents.clone(), num_inference_steps=4, guidance_scale=0.0,
+                    height=SIZE, width=SIZE, output_type="pt").images  # fmt: skip
+    traj = rollout(adapter, PROMPTS[:2], [0, 1], SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=0.0),
+                   range(0, 3), height=SIZE, width=SIZE, initial_latents=latents)  # fmt: skip
+    torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
+    sampler = SamplerConfig(noise_level=0.9, num_steps=4, guidance_scale=0.0)
+    traj = rollout(adapter, PROMPTS[:2], [0, 1], sampler, range(0, 3), torch.Generator().manual_seed(1),
+                   height=SIZE, width=SIZE)  # fmt: skip
+    for j in range(3):
+        with torch.no_grad():
+            assert torch.equal(evaluate_transitions(adapter, traj, j, sampler).log_prob, traj.log_probs[:, j])
