@@ -6,14 +6,12 @@ the other adapter contracts run on Qwen-Image through the ``kind`` fixture of te
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+from plain_diffusers import run_plain_diffusers
 from safetensors.torch import load_file
 
 from flowgrpo.adapters import QwenImageAdapter, make_adapter
@@ -23,7 +21,6 @@ from flowgrpo.tiny import build_tiny_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_qwenimage.yaml"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 NEGATIVE = " "  # Flow-GRPO's negative prompt for Qwen-Image
 # Prompts of different token lengths: the batch is padded and masked, as pipe() pads it.
 PROMPTS = ['a sign that says "hello"', "a red cube", "a red cube", "a photo of a cat on a table at night"]
@@ -195,14 +192,8 @@ def test_train_resume_and_export_match_plain_diffusers(tmp_path):
     sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
     ours = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents).images
 
-    torch.save(latents, tmp_path / "latents.pt")
-    script = tmp_path / "plain.py"
-    script.write_text(PLAIN_DIFFUSERS)
-    run = subprocess.run([sys.executable, str(script), str(base), str(tmp_path / "lora"), str(tmp_path / "merged"),
-                          str(tmp_path / "latents.pt"), "|".join(prompts), str(tmp_path / "images.pt")],
-                         env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    images = torch.load(tmp_path / "images.pt")
+    images = run_plain_diffusers(PLAIN_DIFFUSERS, base, tmp_path / "lora", tmp_path / "merged", latents, prompts,
+                                tmp_path)  # fmt: skip
     assert (images["base"] - ours).abs().max() > 1e-3  # the adapter really changes the images
     torch.testing.assert_close(images["lora"], ours, rtol=0, atol=1e-5)
     torch.testing.assert_close(images["merged"], ours, rtol=0, atol=1e-4)

@@ -9,9 +9,6 @@ import copy
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +16,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from PIL import Image
+from plain_diffusers import run_plain_diffusers
 
 from flowgrpo.adapters import WanAdapter, make_adapter
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
@@ -30,7 +28,6 @@ from samplers import euler_maruyama_step
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_wan.yaml"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 PROMPTS = ['a sign that says "hello"', "a red cube", "a red cube"]
 
 
@@ -273,14 +270,8 @@ def test_one_epoch_on_video_then_export_matches_plain_diffusers(tmp_path):
     sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
     ours = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents).images
 
-    torch.save(latents, tmp_path / "latents.pt")
-    script = tmp_path / "plain.py"
-    script.write_text(PLAIN_DIFFUSERS)
-    run = subprocess.run([sys.executable, str(script), str(base), str(tmp_path / "lora"), str(tmp_path / "merged"),
-                          str(tmp_path / "latents.pt"), "|".join(prompts), str(tmp_path / "videos.pt")],
-                         env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    videos = torch.load(tmp_path / "videos.pt")
+    videos = run_plain_diffusers(PLAIN_DIFFUSERS, base, tmp_path / "lora", tmp_path / "merged", latents, prompts,
+                                tmp_path)  # fmt: skip
     assert (videos["base"] - ours).abs().max() > 1e-3  # the adapter really changes the clips
     torch.testing.assert_close(videos["lora"], ours, rtol=0, atol=1e-5)
     torch.testing.assert_close(videos["merged"], ours, rtol=0, atol=1e-4)
