@@ -1,4 +1,4 @@
-"""The shapes task: grammar, held-out split, renders, the verifier reward, and the identity VAE / tokenizer."""
+"""The shapes task: grammar, held-out split, renders, the verifier reward, and the model's autoencoder / tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from scipy.ndimage import gaussian_filter
 
 from flowgrpo.shapes import PlacedObject, all_specs, render, render_prompt, sample_scene, split
-from flowgrpo.shapes_model import identity_vae, pixels_to_latents, shapes_tokenizer
+from flowgrpo.shapes_model import SHAPES_MODEL_DIR, pixels_to_latents, shapes_tokenizer
 from rewards import build_reward
 from rewards.shapes import TAGS, PromptGrammarError, ShapesReward, detect_objects, judge, parse_prompt
 
@@ -128,12 +128,22 @@ def test_shapes_reward_through_the_registry_reports_partial_credit_and_accuracie
         ShapesReward().check_prompts(["a red circle", "a photo of a cat"])
 
 
-def test_identity_vae_round_trips_pixels_and_the_tokenizer_keeps_words_whole():
-    vae = identity_vae()
-    images = torch.rand(2, 3, 32, 32)
+def test_the_shipped_autoencoder_keeps_what_the_verifier_reads_and_the_tokenizer_keeps_words_whole():
+    from diffusers import AutoencoderTiny
+
+    vae = AutoencoderTiny.from_pretrained(SHAPES_MODEL_DIR / "vae")
+    rng = np.random.default_rng(3)
+    specs = [s for s in split()[1] for _ in range(2)]  # held-out prompts: the autoencoder never saw these scenes
+    prompts = [s.prompt for s in specs]
+    images = torch.from_numpy(np.stack([render(sample_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2)
     with torch.no_grad():
-        assert torch.allclose(vae.decode(pixels_to_latents(images)).sample, images * 2 - 1, atol=1e-6)
-        assert torch.allclose(vae.encode(images * 2 - 1).latents, images * 2 - 1, atol=1e-6)
+        latents = pixels_to_latents(vae, images)  # what the transformer sees: normalised by the shipped factors
+        decoded = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample
+    assert latents.shape == (len(specs), 4, 8, 8)
+    assert abs(latents.mean().item()) < 0.1 and abs(latents.std().item() - 1) < 0.1
+    reconstructed = ((decoded + 1) / 2).clamp(0, 1)
+    assert (reconstructed - images).abs().mean() < 0.02
+    assert ShapesReward()(reconstructed, prompts)["accuracy/exact"].mean() >= 0.99
     tokenizer = shapes_tokenizer()
     words = sorted({w for s in all_specs() for w in s.prompt.split()})
     for word in words:
