@@ -30,13 +30,14 @@ import collections
 import functools
 import itertools
 
+import numpy as np
 import torch
 from diffusers import AutoencoderTiny, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from .pipelines import SHIPPED_MODELS
-from .shapes import RESOLUTION, all_specs
+from .shapes import RESOLUTION, all_specs, render, sample_scene
 
 SHAPES_MODEL_DIR = SHIPPED_MODELS["shapes-sd3"]
 TEXT_LENGTH = 16  # CLIP tokens (the longest prompt takes 10) and T5 zero tokens
@@ -102,6 +103,11 @@ def shapes_vae(seed: int = 0) -> AutoencoderTiny:
             decoder_block_out_channels=(32, 32, 32), num_encoder_blocks=(1, 1, 1), num_decoder_blocks=(1, 1, 1),
         )  # fmt: skip
     return vae.eval()
+
+
+def render_scenes(specs: list, rng: np.random.Generator) -> torch.Tensor:
+    """A random layout of each spec, rendered: ``(B, 3, H, W)`` in [0, 1] (the layouts drawn from ``rng`` in order)."""
+    return torch.from_numpy(np.stack([render(sample_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2)
 
 
 def pixels_to_latents(vae: AutoencoderTiny, images: torch.Tensor) -> torch.Tensor:

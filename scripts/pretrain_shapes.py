@@ -48,6 +48,7 @@ from flowgrpo.shapes_model import (  # noqa: E402
     TEXT_LENGTH,
     build_shapes_pipeline,
     pixels_to_latents,
+    render_scenes,
     shapes_vae,
 )
 from rewards.shapes import TAGS, ShapesReward  # noqa: E402
@@ -231,7 +232,7 @@ def train_vae(
         rng = np.random.default_rng([args.seed, 2**31])
         specs = [s for tag in TAGS for s in by_tag[tag]]
         specs = [specs[int(i)] for i in rng.integers(len(specs), size=512)]
-        pixels = torch.from_numpy(np.stack([render(sample_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2)
+        pixels = render_scenes(specs, rng)
         latents = vae.encode(pixels * 2 - 1).latents
         vae.register_to_config(shift_factor=latents.mean().item(), scaling_factor=1 / latents.std().item())
         decoded = ((vae.decode(latents).sample + 1) / 2).clamp(0, 1)

@@ -8,7 +8,7 @@ import torch
 from scipy.ndimage import gaussian_filter
 
 from flowgrpo.shapes import PlacedObject, all_specs, render, render_prompt, sample_scene, split
-from flowgrpo.shapes_model import SHAPES_MODEL_DIR, pixels_to_latents, shapes_tokenizer
+from flowgrpo.shapes_model import SHAPES_MODEL_DIR, pixels_to_latents, render_scenes, shapes_tokenizer
 from rewards import build_reward
 from rewards.shapes import TAGS, PromptGrammarError, ShapesReward, detect_objects, judge, parse_prompt
 
@@ -135,7 +135,7 @@ def test_the_shipped_autoencoder_keeps_what_the_verifier_reads_and_the_tokenizer
     rng = np.random.default_rng(3)
     specs = [s for s in split()[1] for _ in range(2)]  # held-out prompts: the autoencoder never saw these scenes
     prompts = [s.prompt for s in specs]
-    images = torch.from_numpy(np.stack([render(sample_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2)
+    images = render_scenes(specs, rng)
     with torch.no_grad():
         latents = pixels_to_latents(vae, images)  # what the transformer sees: normalised by the shipped factors
         decoded = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample

@@ -19,8 +19,8 @@ from flowgrpo.adapters import make_adapter
 from flowgrpo.config import SamplerConfig
 from flowgrpo.pipelines import load_pipeline
 from flowgrpo.rollout import rollout
-from flowgrpo.shapes import render, sample_scene, split
-from flowgrpo.shapes_model import SHAPES_MODEL_DIR, TEXT_LENGTH, pixels_to_latents
+from flowgrpo.shapes import split
+from flowgrpo.shapes_model import SHAPES_MODEL_DIR, TEXT_LENGTH, pixels_to_latents, render_scenes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_pretraining_is_seeded_and_an_interrupted_run_resumes_to_the_same_weight
     # (a 2-step autoencoder: 128 scenes x 256 latents, the 0.1 tolerance is several standard errors).
     rng = np.random.default_rng(5)
     specs = [s for s in split()[0] for _ in range(2)][:128]
-    pixels = torch.from_numpy(np.stack([render(sample_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2)
+    pixels = render_scenes(specs, rng)
     with torch.no_grad():
         latents = pixels_to_latents(final.vae, pixels)
     assert abs(latents.mean().item()) < 0.1 and abs(latents.std().item() - 1) < 0.1
