@@ -164,15 +164,24 @@ class AdvantageConfig:
 
 @dataclass
 class KLConfig:
-    """``grpo.kl:`` KL to the adapter-disabled model."""
+    """``grpo.kl:`` KL to the adapter-disabled model (objective awm: mean squared velocity difference, flowgrpo.awm)."""
 
     beta: float = 0.0  # 0 skips the reference forward entirely
-    convention: str = "flowgrpo"  # exact | flowgrpo (std without sqrt(Δ), as Flow-GRPO's published β)
+    convention: str = "flowgrpo"  # exact | flowgrpo (std without sqrt(Δ), as Flow-GRPO's published β); clipped only
+
+
+@dataclass
+class AWMConfig:
+    """``grpo.awm:`` the advantage-weighted matching objective (``grpo.objective: awm``, see flowgrpo.awm)."""
+
+    timesteps: int = 1  # loss terms per sample and pass: each a fresh noise level σ and noise ε
+    logit_mean: float = 0.0  # σ = sigmoid(N(logit_mean, logit_std²)): SD3's logit-normal pretraining distribution
+    logit_std: float = 1.0
 
 
 @dataclass
 class GRPOConfig:
-    """``grpo:`` groups and the clipped objective."""
+    """``grpo:`` groups and the objective (Flow-GRPO's clipped ratio, or advantage-weighted matching)."""
 
     group_size: int = 24  # images per prompt (k)
     groups_per_epoch: int = 48  # prompts per epoch, over all processes
@@ -187,6 +196,10 @@ class GRPOConfig:
     #                                    its number of micro-batches, which shrink (zero-advantage fill-ins pad the
     #                                    kept count to a multiple of it)
     nan_policy: str = "error"  # non-finite rewards: error | drop (the affected groups get advantage 0)
+    objective: str = "clipped"  # clipped: the ratio of the stored SDE steps' log-probs (Flow-GRPO eq. 8) | awm: the
+    #                             flow-matching loss on each final sample, weighted by its advantage (flowgrpo.awm;
+    #                             ODE rollouts: sampler.noise_level 0)
+    awm: AWMConfig = field(default_factory=AWMConfig)
 
 
 @dataclass
@@ -460,6 +473,9 @@ def validate(config: Config, world_size: int = 1) -> None:
     _one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
     _one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
     _one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
+    _one_of("grpo.objective", g.objective, ("clipped", "awm"))
+    if g.objective == "awm":
+        _check_awm(config)
     _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
     _check_ranges(config)
     total = g.group_size * g.groups_per_epoch
@@ -563,6 +579,22 @@ def _check_range(
         left, right = "(" if low_open else "[", ")" if high_open else "]"
         bound = f"lie in {left}{low}, {high}{right}"
     raise ConfigError(f"{key} must {'' if high is not None else 'be '}{bound}{f' ({why})' if why else ''}, got {value}")
+
+
+def _check_awm(config: Config) -> None:
+    """``grpo.objective: awm`` trains on the final samples: settings of the transitions' ratio do not apply."""
+    s, g = config.sampler, config.grpo
+    fixes = {
+        "sampler.noise_level": (s.noise_level, 0.0, "awm needs no log-probs, so the rollout is the plain ODE"),
+        "sampler.same_initial_noise": (s.same_initial_noise, False, "under the ODE a group's images would be equal"),
+        "grpo.timestep_fraction": (g.timestep_fraction, 1.0, "awm trains grpo.awm.timesteps noise levels per sample"),
+    }
+    for key, (value, wanted, why) in fixes.items():
+        if value != wanted:
+            shown = str(wanted).lower() if isinstance(wanted, bool) else wanted
+            raise ConfigError(f"grpo.objective=awm: {key}={value} does not apply ({why}); set {key}: {shown}")
+    _check_range("grpo.awm.timesteps", g.awm.timesteps, 1)
+    _check_range("grpo.awm.logit_std", g.awm.logit_std, 0, low_open=True)
 
 
 def _check_ranges(config: Config) -> None:

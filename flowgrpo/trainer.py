@@ -3,10 +3,10 @@
     accelerate launch scripts/train.py --config configs/<name>.yaml [key.sub=value ...]
 
 Each epoch: SAMPLING (rollouts with the SDE inside the window, rewards scored in the background),
-ADVANTAGES (rewards gathered from every process, group-relative advantages), TRAINING (every stored
-transition re-scored under the current weights, clipped ratio loss + β·KL to the adapter-disabled model,
-one backward per timestep, an optimizer step per accumulation cycle). Model specifics live in the
-adapter, sampler specifics in ``samplers``.
+ADVANTAGES (rewards gathered from every process, group-relative advantages), TRAINING (the ``grpo.objective``:
+every stored transition re-scored under the current weights, clipped ratio loss + β·KL to the adapter-disabled
+model; or ``awm``, the advantage-weighted flow-matching loss on the final samples; one backward per term, an
+optimizer step per accumulation cycle). Model specifics live in the adapter, sampler specifics in ``samplers``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, apply_nan_policy, build_reward
-from samplers import SlidingWindow, transition_kl
+from samplers import NoWindow, SlidingWindow, transition_kl
 
 from .adapters import PipelineAdapter, build_adapter
 from .advantages import compute_advantages
+from .awm import awm_loss
 from .batching import kept_samples, micro_batches, trained_count, trained_positions
 from .checkpoint import (
     CheckpointError,
@@ -85,7 +86,9 @@ class TrainState:
     best_checkpoint: str | None = None  # name of the checkpoint with the best eval reward (never pruned)
 
 
-def make_window(config: Config) -> SlidingWindow:
+def make_window(config: Config) -> SlidingWindow | NoWindow:
+    if not OBJECTIVES[config.grpo.objective].stores_transitions:
+        return NoWindow()
     w = config.sampler.window
     return SlidingWindow(
         config.sampler.num_steps, w.size, strategy=w.strategy, shift_interval=w.shift_interval, stride=w.stride,
@@ -107,7 +110,12 @@ def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.op
 
 
 def timestep_loss(
-    adapter: PipelineAdapter, cfg: Config, sub: Trajectory, positions: torch.Tensor, advantages: torch.Tensor
+    adapter: PipelineAdapter,
+    cfg: Config,
+    sub: Trajectory,
+    positions: torch.Tensor,
+    advantages: torch.Tensor,
+    generator: torch.Generator | None = None,  # noqa: ARG001 (deterministic: the objectives share one signature)
 ) -> tuple[torch.Tensor, LossStats]:
     """One trained timestep of a micro-batch: re-score the stored transitions at ``positions`` ([B] window positions)
     under the current weights, the KL reference forward when β > 0, and the clipped GRPO loss (scalar, to backward)."""
@@ -119,6 +127,21 @@ def timestep_loss(
         kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
     old = stored_log_probs(sub, positions).to(new.log_prob.device)
     return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A ``grpo.objective``: the loss of one term of a micro-batch, and what the rollout stores for it."""
+
+    loss: Callable[..., tuple[torch.Tensor, LossStats]]  # (adapter, cfg, sub, positions, advantages, generator)
+    terms: Callable[[Config, Trajectory], int]  # loss terms (backward passes) per micro-batch and pass
+    stores_transitions: bool  # the window's steps are SDE and stored; else every step is ODE (make_window)
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "clipped": Objective(timestep_loss, lambda cfg, trajectory: trajectory.num_trained_steps, True),
+    "awm": Objective(awm_loss, lambda cfg, trajectory: cfg.grpo.awm.timesteps, False),
+}
 
 
 class GRPOTrainer:
@@ -164,6 +187,7 @@ class GRPOTrainer:
                   f"process(es) (gradient accumulation {self.accumulation}"
                   + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
                   + ")")  # fmt: skip
+        self.objective = OBJECTIVES[config.grpo.objective]
         self.window = make_window(config)
         self.phases = PhaseTimer()  # wall time of each loop phase (time/... metrics, scripts/bench.py epoch)
         self.state = TrainState()
@@ -403,7 +427,7 @@ class GRPOTrainer:
         cfg, acc = self.config, self.accelerator
         model = self.adapter.transformer
         model.train()
-        n, steps = len(trajectory), trajectory.num_trained_steps
+        n, steps = len(trajectory), self.objective.terms(cfg, trajectory)
         if steps == 0:
             return {}
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
@@ -428,7 +452,7 @@ class GRPOTrainer:
                     # DDP decides in the forward whether the backward all-reduces, so both run inside no_sync.
                     ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
                     with ctx:
-                        loss, stats = timestep_loss(self.adapter, cfg, sub, positions[:, j], adv)
+                        loss, stats = self.objective.loss(self.adapter, cfg, sub, positions[:, j], adv, shuffle)
                         finite = self._all_finite(loss)
                         if finite:
                             acc.backward(loss / per_update)

@@ -28,7 +28,7 @@ from .steps import (
     ode_step,
     sde_step,
 )
-from .window import STRATEGIES, SlidingWindow
+from .window import STRATEGIES, NoWindow, SlidingWindow
 
 __all__ = [
     "DIFFUSIONS",
@@ -37,6 +37,7 @@ __all__ = [
     "SDE_KINDS",
     "SOLVERS",
     "STRATEGIES",
+    "NoWindow",
     "SlidingWindow",
     "Transition",
     "calculate_shift",

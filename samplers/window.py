@@ -144,3 +144,14 @@ class SlidingWindow:
             f"shift_interval={self.shift_interval}, stride={self.stride}, roll_back={self.roll_back}, "
             f"end_margin={self.end_margin})"
         )
+
+
+class NoWindow:
+    """No SDE step: every step is an ODE step and nothing is stored (``grpo.objective: awm`` trains on the final
+    samples only)."""
+
+    def steps(self, iteration: int, batch: int | None = None) -> range:  # noqa: ARG002 (SlidingWindow's signature)
+        return range(0, 0)
+
+    def __repr__(self) -> str:
+        return "NoWindow()"

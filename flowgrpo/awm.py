@@ -1,0 +1,67 @@
+"""Advantage-weighted matching (AWM; Xue et al., arXiv 2509.25050): GRPO's advantages on the pretraining loss.
+
+``grpo.objective: awm``. The clipped objective (Flow-GRPO eq. 8, :func:`flowgrpo.trainer.timestep_loss`) differentiates
+the log-prob of each stored SDE transition; its gradient is ``A · ε/σ_t · ∂μ/∂θ``, so the noise ε that made the samples
+differ also multiplies every gradient, and on small budgets the signal drowns (the shapes task: the gradients of two
+epochs have cosine ≈ 0, README). AWM instead noises each image's final latent x0 afresh and applies the rectified-flow
+loss the model was pretrained with, weighted by the image's advantage::
+
+    x_σ = (1 - σ) x0 + σ ε,   loss = mean_i A_i · mean(|v_θ(x_σ, σ) - (ε - x0)|²)
+
+Better-than-group images are made more likely the way pretraining makes data likely, worse ones less. Nothing of the
+sampling path is needed (no log-probs, no SDE), so the rollout is the plain ODE; the network sees the conditional
+prompt only (no CFG), one forward per term. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``.
+The negative weights make the loss unbounded below (pushing a velocity ever further from a bad sample lowers it): with
+``grpo.kl.beta`` β > 0 the adapter-disabled model's velocity at the same point anchors it,
+``+ β · mean_i mean(|v_θ - v_ref|²)`` (one more forward, without gradient). Per-σ loss weights are not implemented.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .loss import LossStats
+
+if TYPE_CHECKING:
+    from .adapters import PipelineAdapter
+    from .config import Config
+    from .rollout import Trajectory
+
+
+def awm_loss(
+    adapter: PipelineAdapter,
+    cfg: Config,
+    sub: Trajectory,
+    positions: Tensor,  # noqa: ARG001 (the clipped objective's window positions; awm trains on the final latents)
+    advantages: Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, LossStats]:
+    """One loss term of a micro-batch: a fresh (σ, ε) per sample from ``generator`` (CPU), the advantage-weighted
+    flow-matching loss plus β × the velocity KL (scalar, to backward) and its stats (no ratio: logged as 1, clip
+    fraction 0)."""
+    x0 = sub.final_latents
+    awm = cfg.grpo.awm
+    shape = (len(sub),) + (1,) * (x0.ndim - 1)
+    sigma = torch.sigmoid(awm.logit_mean + awm.logit_std * torch.randn(len(sub), generator=generator))
+    noise = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
+    sigma = sigma.to(x0.device)
+    noisy = (1 - sigma.view(shape)).to(x0.dtype) * x0 + sigma.view(shape).to(x0.dtype) * noise
+    # Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value.
+    guidance = 1.0 if adapter.uses_cfg else sub.guidance_scale
+    velocity = adapter.velocity(noisy, sigma, sub.embeds, guidance)
+    error = (velocity.float() - (noise - x0).float()).pow(2).flatten(1).mean(dim=1)  # [B]
+    policy_loss = (advantages.detach().float().to(error.device) * error).mean()
+    one = torch.ones((), device=error.device)
+    kl = 0 * one
+    if cfg.grpo.kl.beta > 0:
+        with torch.no_grad(), adapter.adapter_disabled():
+            reference = adapter.velocity(noisy, sigma, sub.embeds, guidance)
+        kl = (velocity.float() - reference.float()).pow(2).flatten(1).mean(dim=1).mean()
+    loss = policy_loss + cfg.grpo.kl.beta * kl
+    with torch.no_grad():
+        stats = LossStats(loss=loss.detach(), policy_loss=policy_loss.detach(), kl=kl.detach(), ratio_mean=one,
+                          ratio_min=one, ratio_max=one, clip_fraction=0 * one, approx_kl=0 * one)  # fmt: skip
+    return loss, stats

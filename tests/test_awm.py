@@ -1,0 +1,146 @@
+"""Advantage-weighted matching (grpo.objective: awm): the loss against its formula on the bare transformer, what one
+step does to the weighted samples, the config checks, and a trainer run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgrpo.adapters import make_adapter
+from flowgrpo.awm import awm_loss
+from flowgrpo.config import ConfigError, SamplerConfig, load_config
+from flowgrpo.rollout import rollout
+from flowgrpo.tiny import build_tiny_pipeline
+from flowgrpo.trainer import GRPOTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_sd3.yaml"
+AWM = ["grpo.objective=awm", "sampler.noise_level=0"]
+PROMPTS = ["a red cube", "a red cube", "a blue ball", "a blue ball"]
+SIZE = 32
+
+
+def _config(*overrides):
+    return load_config(TINY, ["run.progress=false", *AWM, *overrides])
+
+
+def _setup(kind="sd3", guidance=4.5):
+    adapter = make_adapter(build_tiny_pipeline(kind, seed=0))
+    adapter.add_lora(4, 8, "default", "gaussian", 0.0)
+    with torch.no_grad():  # LoRA B starts at 0; move it so the adapter is part of what is checked
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    sampler = SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=guidance)
+    traj = rollout(adapter, PROMPTS, [0, 0, 1, 1], sampler, range(0, 0), torch.Generator().manual_seed(1),
+                   height=SIZE, width=SIZE)  # fmt: skip
+    return adapter, traj
+
+
+def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditional_model():
+    adapter, traj = _setup()
+    cfg = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7")
+    advantages = torch.tensor([1.5, -0.5, 0.25, -1.25])
+    loss, stats = awm_loss(adapter, cfg, traj, torch.zeros(4, dtype=torch.long), advantages,
+                           torch.Generator().manual_seed(7))  # fmt: skip
+    # The same draws, by hand: σ = sigmoid(0.3 + 0.7 z), then ε; the transformer fed the prompt only (no CFG), at
+    # timestep 1000 σ as the SD3 scheduler feeds it.
+    g = torch.Generator().manual_seed(7)
+    sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(4, generator=g))
+    noise = torch.randn(traj.final_latents.shape, generator=g)
+    x0 = traj.final_latents
+    s = sigma.view(4, 1, 1, 1)
+    with torch.no_grad():
+        v = adapter.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=1000 * sigma,
+                                encoder_hidden_states=traj.embeds.prompt_embeds,
+                                pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+    per_sample = ((v - (noise - x0)) ** 2).mean(dim=(1, 2, 3))
+    expected = (advantages * per_sample).mean()
+    # Same process, same tensors, same kernels: only the order of the final reductions may differ (a few ulp).
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=0)
+    assert stats.ratio_mean == 1 and stats.clip_fraction == 0 and stats.kl == 0
+    zero, _ = awm_loss(adapter, cfg, traj, torch.zeros(4, dtype=torch.long), torch.zeros(4))
+    assert zero.item() == 0.0
+
+    # β > 0: + β · mean |v - v_ref|², v_ref from the same transformer with its LoRA switched off, same draws.
+    anchored = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.kl.beta=0.5")
+    loss, stats = awm_loss(adapter, anchored, traj, torch.zeros(4, dtype=torch.long), advantages,
+                           torch.Generator().manual_seed(7))  # fmt: skip
+    adapter.transformer.disable_adapters()
+    with torch.no_grad():
+        v_ref = adapter.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=1000 * sigma,
+                                    encoder_hidden_states=traj.embeds.prompt_embeds,
+                                    pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+    adapter.transformer.enable_adapters()
+    kl = ((v - v_ref) ** 2).mean()
+    assert kl > 0
+    torch.testing.assert_close(stats.kl, kl, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.detach(), expected + 0.5 * kl, rtol=1e-6, atol=0)
+
+
+def test_one_awm_step_fits_a_better_sample_and_unfits_a_worse_one():
+    adapter, traj = _setup()
+    cfg = _config()
+    params = [p for p in adapter.transformer.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    one = traj.select([0])
+
+    def error():  # the sample's flow-matching error at fixed draws
+        loss, _ = awm_loss(adapter, cfg, one, torch.zeros(1, dtype=torch.long), torch.ones(1),
+                           torch.Generator().manual_seed(3))  # fmt: skip
+        return loss
+
+    before = error().item()
+    for advantage, sign in ((1.0, -1), (-1.0, 1)):
+        with torch.no_grad():
+            for p, p0 in zip(params, start, strict=True):
+                p.copy_(p0)
+        # A small plain gradient step on A · error: to first order the error moves by -lr · A · |∇error|².
+        loss, _ = awm_loss(adapter, cfg, one, torch.zeros(1, dtype=torch.long), torch.tensor([advantage]),
+                           torch.Generator().manual_seed(3))  # fmt: skip
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p -= 0.5 * g
+        assert sign * (error().item() - before) > 1e-4
+
+
+def test_awm_without_cfg_families_keeps_the_rollouts_guidance(monkeypatch):
+    adapter, traj = _setup("flux", guidance=3.5)
+    seen = []
+    velocity = adapter.velocity
+    monkeypatch.setattr(adapter, "velocity", lambda *a, **k: seen.append(a[3]) or velocity(*a, **k))
+    awm_loss(adapter, _config(), traj, torch.zeros(4, dtype=torch.long), torch.ones(4), torch.Generator())
+    assert seen == [3.5]  # FLUX's guidance is an input of the network, not CFG
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("sampler.noise_level=0.7", "sampler.noise_level"),
+        ("sampler.same_initial_noise=true", "sampler.same_initial_noise"),
+        ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction"),
+        ("grpo.awm.timesteps=0", "grpo.awm.timesteps"),
+        ("grpo.objective=ppo", "grpo.objective"),
+    ],
+)
+def test_awm_config_mistakes_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _config(override)
+
+
+def test_trainer_with_awm_samples_the_ode_and_trains_on_final_latents(tmp_path):
+    config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "grpo.awm.timesteps=2")
+    trainer = GRPOTrainer(config)
+    lora = {n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad}
+    trainer.fit()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/loss" in r]
+    assert len(rows) == 2 and all(r["window/size"] == 0 for r in rows)
+    # 16 images per epoch in micro-batches of 8; a micro-batch's terms (two σ per sample) make one optimizer step.
+    assert rows[-1]["global_step"] == 4
+    params = dict(trainer.adapter.transformer.named_parameters())
+    assert any(not torch.equal(params[n], p) for n, p in lora.items())
