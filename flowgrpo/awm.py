@@ -10,10 +10,17 @@ loss the model was pretrained with, weighted by the image's advantage::
 
 Better-than-group images are made more likely the way pretraining makes data likely, worse ones less. Nothing of the
 sampling path is needed (no log-probs, no SDE), so the rollout is the plain ODE; the network sees the conditional
-prompt only (no CFG), one forward per term. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``.
-The negative weights make the loss unbounded below (pushing a velocity ever further from a bad sample lowers it): with
-``grpo.kl.beta`` β > 0 the adapter-disabled model's velocity at the same point anchors it,
-``+ β · mean_i mean(|v_θ - v_ref|²)`` (one more forward, without gradient). Per-σ loss weights are not implemented.
+prompt only (no CFG), one forward per term. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``,
+then shifted by ``grpo.awm.time_shift`` like the model's sampling schedule. The negative weights make the loss
+unbounded below (pushing a velocity ever further from a bad sample lowers it): with ``grpo.kl.beta`` β > 0 the
+adapter-disabled model's velocity at the same point anchors it, ``+ β · mean_i mean(|v_θ - v_ref|²)`` (one more
+forward, without gradient; logged as ``train/kl``).
+
+Against the paper's public code, deliberately simpler: no likelihood ratio or clipping (its logp = -MSE ratio against
+the sampling weights; here every step is on the current weights, so keep updates per epoch few or use β); no per-σ
+loss weights; advantages are not rescaled to at most 1 (theirs: clipped to 5, divided by 5), so the same lr moves
+about 5× further; and training is conditional-only while CFG families sample with CFG (the paper samples without).
+The clipped objective's ratio metrics are logged as 1 (clip fraction, approx KL 0).
 """
 
 from __future__ import annotations
@@ -46,19 +53,21 @@ def awm_loss(
     awm = cfg.grpo.awm
     shape = (len(sub),) + (1,) * (x0.ndim - 1)
     sigma = torch.sigmoid(awm.logit_mean + awm.logit_std * torch.randn(len(sub), generator=generator))
-    noise = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
-    sigma = sigma.to(x0.device)
-    noisy = (1 - sigma.view(shape)).to(x0.dtype) * x0 + sigma.view(shape).to(x0.dtype) * noise
+    sigma = (awm.time_shift * sigma / (1 + (awm.time_shift - 1) * sigma)).to(x0.device)
+    noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+    clean = x0.float()
+    # Mixed and differenced in fp32; only the network's input takes the latents' dtype.
+    noisy = (1 - sigma.view(shape)) * clean + sigma.view(shape) * noise
     # Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value.
     guidance = 1.0 if adapter.uses_cfg else sub.guidance_scale
-    velocity = adapter.velocity(noisy, sigma, sub.embeds, guidance)
-    error = (velocity.float() - (noise - x0).float()).pow(2).flatten(1).mean(dim=1)  # [B]
+    velocity = adapter.velocity(noisy.to(x0.dtype), sigma, sub.embeds, guidance)
+    error = (velocity.float() - (noise - clean)).pow(2).flatten(1).mean(dim=1)  # [B]
     policy_loss = (advantages.detach().float().to(error.device) * error).mean()
     one = torch.ones((), device=error.device)
     kl = 0 * one
     if cfg.grpo.kl.beta > 0:
         with torch.no_grad(), adapter.adapter_disabled():
-            reference = adapter.velocity(noisy, sigma, sub.embeds, guidance)
+            reference = adapter.velocity(noisy.to(x0.dtype), sigma, sub.embeds, guidance)
         kl = (velocity.float() - reference.float()).pow(2).flatten(1).mean(dim=1).mean()
     loss = policy_loss + cfg.grpo.kl.beta * kl
     with torch.no_grad():

@@ -360,7 +360,10 @@ def recipe_changes(checkpoint: Path, config: Any) -> list[str]:
     if old is None:
         return []
     before, now = _flat(old), _flat(config.to_dict())
-    keys = sorted((set(before) | set(now)) - _BOOKKEEPING_KEYS)
+    defaults = _flat(type(config)().to_dict())
+    # A key newer than the checkpoint, at its default, changes nothing (e.g. grpo.objective on an older run).
+    new_at_default = {k for k in set(now) - set(before) if k in defaults and now[k] == defaults[k]}
+    keys = sorted((set(before) | set(now)) - _BOOKKEEPING_KEYS - new_at_default)
     return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
 
 

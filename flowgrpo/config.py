@@ -177,6 +177,7 @@ class AWMConfig:
     timesteps: int = 1  # loss terms per sample and pass: each a fresh noise level σ and noise ε
     logit_mean: float = 0.0  # σ = sigmoid(N(logit_mean, logit_std²)): SD3's logit-normal pretraining distribution
     logit_std: float = 1.0
+    time_shift: float = 1.0  # then σ <- s·σ / (1 + (s - 1)·σ), the shift the model samples with (SD3.5: 3; shapes: 1)
 
 
 @dataclass
@@ -587,14 +588,17 @@ def _check_awm(config: Config) -> None:
     fixes = {
         "sampler.noise_level": (s.noise_level, 0.0, "awm needs no log-probs, so the rollout is the plain ODE"),
         "sampler.same_initial_noise": (s.same_initial_noise, False, "under the ODE a group's images would be equal"),
+        "sampler.post_window.solver": (s.post_window.solver, "euler", "it would replace the whole ODE rollout"),
+        "sampler.last_step": (s.last_step, "ode", "there is no SDE step"),
         "grpo.timestep_fraction": (g.timestep_fraction, 1.0, "awm trains grpo.awm.timesteps noise levels per sample"),
     }
     for key, (value, wanted, why) in fixes.items():
         if value != wanted:
-            shown = str(wanted).lower() if isinstance(wanted, bool) else wanted
-            raise ConfigError(f"grpo.objective=awm: {key}={value} does not apply ({why}); set {key}: {shown}")
+            now, fix = (str(v).lower() if isinstance(v, bool) else v for v in (value, wanted))  # YAML's spelling
+            raise ConfigError(f"grpo.objective=awm: {key}={now} does not apply ({why}); set {key}: {fix}")
     _check_range("grpo.awm.timesteps", g.awm.timesteps, 1)
     _check_range("grpo.awm.logit_std", g.awm.logit_std, 0, low_open=True)
+    _check_range("grpo.awm.time_shift", g.awm.time_shift, 0, low_open=True)
 
 
 def _check_ranges(config: Config) -> None:

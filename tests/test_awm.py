@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from flowgrpo.adapters import make_adapter
 from flowgrpo.awm import awm_loss
+from flowgrpo.checkpoint import CONFIG_FILE, recipe_changes
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
 from flowgrpo.rollout import rollout
 from flowgrpo.tiny import build_tiny_pipeline
@@ -42,7 +44,7 @@ def _setup(kind="sd3", guidance=4.5):
 
 def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditional_model():
     adapter, traj = _setup()
-    cfg = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7")
+    cfg = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3")
     advantages = torch.tensor([1.5, -0.5, 0.25, -1.25])
     loss, stats = awm_loss(adapter, cfg, traj, torch.zeros(4, dtype=torch.long), advantages,
                            torch.Generator().manual_seed(7))  # fmt: skip
@@ -50,6 +52,7 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
     # timestep 1000 σ as the SD3 scheduler feeds it.
     g = torch.Generator().manual_seed(7)
     sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(4, generator=g))
+    sigma = 3 * sigma / (1 + 2 * sigma)  # the SD3 scheduler's shift formula, shift 3
     noise = torch.randn(traj.final_latents.shape, generator=g)
     x0 = traj.final_latents
     s = sigma.view(4, 1, 1, 1)
@@ -66,7 +69,7 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
     assert zero.item() == 0.0
 
     # β > 0: + β · mean |v - v_ref|², v_ref from the same transformer with its LoRA switched off, same draws.
-    anchored = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.kl.beta=0.5")
+    anchored = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3", "grpo.kl.beta=0.5")
     loss, stats = awm_loss(adapter, anchored, traj, torch.zeros(4, dtype=torch.long), advantages,
                            torch.Generator().manual_seed(7))  # fmt: skip
     adapter.transformer.disable_adapters()
@@ -123,7 +126,10 @@ def test_awm_without_cfg_families_keeps_the_rollouts_guidance(monkeypatch):
         ("sampler.noise_level=0.7", "sampler.noise_level"),
         ("sampler.same_initial_noise=true", "sampler.same_initial_noise"),
         ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction"),
+        ("sampler.post_window.solver=dpmpp_2m", "sampler.post_window.solver"),
+        ("sampler.last_step=sde", "sampler.last_step"),
         ("grpo.awm.timesteps=0", "grpo.awm.timesteps"),
+        ("grpo.awm.logit_std=0", "grpo.awm.logit_std"),
         ("grpo.objective=ppo", "grpo.objective"),
     ],
 )
@@ -133,7 +139,9 @@ def test_awm_config_mistakes_name_the_key(override, key):
 
 
 def test_trainer_with_awm_samples_the_ode_and_trains_on_final_latents(tmp_path):
-    config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "grpo.awm.timesteps=2")
+    # No weight decay: whatever moves the adapter is the loss's gradient.
+    config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "grpo.awm.timesteps=2",
+                     "train.weight_decay=0")  # fmt: skip
     trainer = GRPOTrainer(config)
     lora = {n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad}
     trainer.fit()
@@ -144,3 +152,13 @@ def test_trainer_with_awm_samples_the_ode_and_trains_on_final_latents(tmp_path):
     assert rows[-1]["global_step"] == 4
     params = dict(trainer.adapter.transformer.named_parameters())
     assert any(not torch.equal(params[n], p) for n, p in lora.items())
+
+
+def test_resuming_a_run_from_before_the_objective_existed_reports_no_change(tmp_path):
+    config = load_config(TINY, ["run.progress=false"])
+    old = config.to_dict()
+    del old["grpo"]["objective"], old["grpo"]["awm"]  # a checkpoint written before these keys existed
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(old))
+    assert recipe_changes(tmp_path, config) == []
+    changed = recipe_changes(tmp_path, _config())
+    assert "grpo.objective: None -> 'awm'" in changed and "sampler.noise_level: 0.7 -> 0.0" in changed
