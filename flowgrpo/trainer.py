@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 
-from rewards import AsyncReward, apply_nan_policy, build_reward
+from rewards import AsyncReward, FrameReward, apply_nan_policy, build_reward
 from samplers import NoWindow, SlidingWindow, transition_kl
 
 from .adapters import PipelineAdapter, build_adapter
@@ -49,7 +49,7 @@ from .checkpoint import (
     set_aside_later,
     write_run_config,
 )
-from .config import Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
+from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, check_editing, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
@@ -168,6 +168,10 @@ class GRPOTrainer:
         set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
         check_editing(datasets, adapter=self.adapter)  # source images need an editing model
+        framed = [e.key for e in self.reward.entries if isinstance(e.reward, FrameReward)]
+        if framed and self.adapter.family not in VIDEO_KINDS:  # else refused only at the first score, after sampling
+            raise ConfigError(f"rewards.{framed[0]}.frames says how to score video clips, but model.pretrained is a "
+                              f"{self.adapter.family} image pipeline: remove the frames option")  # fmt: skip
         if config.model.compile:  # in place, before prepare(): rollout, loss and KL reference all run it compiled
             if self.deepspeed or self.fsdp:
                 raise ConfigError("model.compile=true runs on one process or under DDP; DeepSpeed and FSDP wrap the "

@@ -195,6 +195,18 @@ def test_image_rewards_score_videos_by_frames_and_clip_rewards_get_the_clip():
         Brightness()(videos, prompts)  # an image reward called on clips directly says what to do
 
 
+def test_a_frames_option_on_an_image_model_is_refused_before_any_work(tmp_path):
+    from flowgrpo.trainer import GRPOTrainer
+
+    frames = "rewards=[{name: brightness, frames: {every: 2}}]"
+    image = load_config(ROOT / "configs" / "tiny_sd3.yaml", [f"run.output_dir={tmp_path}", frames])
+    with pytest.raises(ConfigError, match=r"rewards\.brightness\.frames .* sd3 image pipeline: remove the frames"):
+        GRPOTrainer(image)
+    assert not any(tmp_path.iterdir())  # no run directory: nothing was started
+    video = load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", frames])
+    assert GRPOTrainer(video).reward.entries[0].reward.every == 2  # a video model takes it
+
+
 def test_report_writes_a_frame_grid_and_an_animated_gif(tmp_path):
     frames = 5
     videos = torch.linspace(0, 1, frames).view(1, frames, 1, 1, 1).expand(2, frames, 3, 16, 16).clone()
