@@ -120,6 +120,34 @@ def test_awm_without_cfg_families_keeps_the_rollouts_guidance(monkeypatch):
     assert seen == [3.5]  # FLUX's guidance is an input of the network, not CFG
 
 
+@pytest.mark.parametrize("kind", ["flux-kontext", "qwenimage", "qwenimage-edit", "wan"])
+def test_awm_trains_every_lora_weight_of_the_other_families(kind):
+    """Packed (FLUX, Qwen), source-conditioned (editing) and video latents: the loss and its KL are finite and reach
+    every adapter weight (SD3 and FLUX: the tests above)."""
+    adapter = make_adapter(build_tiny_pipeline(kind, seed=0), **({"num_frames": 5} if kind == "wan" else {}))
+    adapter.add_lora(4, 8, "default", "gaussian", 0.0)
+    with torch.no_grad():
+        for name, p in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    edit = kind in ("flux-kontext", "qwenimage-edit")
+    sources = [str(ROOT / "configs" / "prompts" / "edit_images" / f"{n}.png") for n in ("red_square", "blue_circle")]
+    sampler = SamplerConfig(noise_level=0.0, num_steps=3, guidance_scale=2.5)
+    traj = rollout(adapter, ["a red cube", "a blue ball"], [0, 1], sampler, range(0, 0),
+                   torch.Generator().manual_seed(1), height=SIZE, width=SIZE, sources=sources if edit else None,
+                   decode=False)  # fmt: skip
+    loss, stats = awm_loss(adapter, _config("grpo.kl.beta=0.5"), traj, torch.zeros(2, dtype=torch.long),
+                           torch.tensor([1.0, -1.0]), torch.Generator().manual_seed(0))  # fmt: skip
+    loss.backward()
+    assert torch.isfinite(loss) and stats.kl > 0
+    trained = [(n, p) for n, p in adapter.transformer.named_parameters() if p.requires_grad]
+    idle = [n for n, p in trained if p.grad is None or p.grad.abs().sum() == 0]
+    # Qwen-Image's last block: its text stream's query feeds nothing the output reads (so also under the clipped loss).
+    blocks = getattr(adapter.transformer, "transformer_blocks", ())  # (Wan's are named otherwise)
+    qwen_last = f"transformer_blocks.{len(blocks) - 1}.attn.add_q_proj."
+    assert len(trained) > 0 and all(kind.startswith("qwenimage") and n.startswith(qwen_last) for n in idle), idle
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
