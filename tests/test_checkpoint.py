@@ -30,10 +30,14 @@ def _trainer(tmp_path, *overrides):
                                           *overrides]))  # fmt: skip
 
 
-def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize(
+    "objective", [[], ["grpo.objective=awm", "sampler.noise_level=0", "grpo.kl.beta=0.1"]], ids=["clipped", "awm"]
+)
+def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path, objective):
     # Several rollout batches per epoch: the text embeddings must not depend on which prompts an earlier epoch
-    # encoded together (a batch's composition moves them by ~1e-7).
-    common = ["train.ema=0.5", "checkpoint.every=1", "checkpoint.keep_last=2", "sampler.batch_size=4"]
+    # encoded together (a batch's composition moves them by ~1e-7). awm: its noise levels and noise are drawn anew
+    # every epoch, from (seed, epoch), so a resumed run draws the same ones.
+    common = ["train.ema=0.5", "checkpoint.every=1", "checkpoint.keep_last=2", "sampler.batch_size=4", *objective]
     full = _trainer(tmp_path / "a", "run.epochs=4", *common)
     full.fit()
     part = _trainer(tmp_path / "b", "run.epochs=2", *common)
