@@ -19,7 +19,8 @@ forward, without gradient; logged as ``train/kl``).
 Against the paper's public code, deliberately simpler: no likelihood ratio or clipping (its logp = -MSE ratio against
 the sampling weights; here every step is on the current weights, so keep updates per epoch few or use β); no per-σ
 loss weights; advantages are not rescaled to at most 1 (theirs: clipped to 5, divided by 5), so the same lr moves
-about 5× further; and training is conditional-only while CFG families sample with CFG (the paper samples without).
+about 5× further; and training is conditional-only while CFG families sample with CFG (the paper samples without;
+``grpo.awm.cfg: true`` fits the guided velocity instead, two forwards per term).
 The clipped objective's ratio metrics are logged as 1 (clip fraction, approx KL 0).
 """
 
@@ -58,8 +59,9 @@ def awm_loss(
     clean = x0.float()
     # Mixed and differenced in fp32; only the network's input takes the latents' dtype.
     noisy = (1 - sigma.view(shape)) * clean + sigma.view(shape) * noise
-    # Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value.
-    guidance = 1.0 if adapter.uses_cfg else sub.guidance_scale
+    # Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value. CFG
+    # families: the conditional branch, or with grpo.awm.cfg the guided velocity the rollout sampled with.
+    guidance = sub.guidance_scale if awm.cfg or not adapter.uses_cfg else 1.0
     velocity = adapter.velocity(noisy.to(x0.dtype), sigma, sub.embeds, guidance)
     error = (velocity.float() - (noise - clean)).pow(2).flatten(1).mean(dim=1)  # [B]
     policy_loss = (advantages.detach().float().to(error.device) * error).mean()

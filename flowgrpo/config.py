@@ -178,6 +178,7 @@ class AWMConfig:
     logit_mean: float = 0.0  # σ = sigmoid(N(logit_mean, logit_std²)): SD3's logit-normal pretraining distribution
     logit_std: float = 1.0
     time_shift: float = 1.0  # then σ <- s·σ / (1 + (s - 1)·σ), the shift the model samples with (SD3.5: 3; shapes: 1)
+    cfg: bool = False  # CFG families: fit the guided velocity (sampler.guidance_scale, as sampled), not the conditional
 
 
 @dataclass

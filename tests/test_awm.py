@@ -84,6 +84,27 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
     torch.testing.assert_close(loss.detach(), expected + 0.5 * kl, rtol=1e-6, atol=0)
 
 
+def test_awm_cfg_fits_the_guided_velocity_the_rollout_sampled_with():
+    adapter, traj = _setup(guidance=4.5)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    loss, _ = awm_loss(adapter, _config("grpo.awm.cfg=true"), traj, torch.zeros(4, dtype=torch.long), advantages,
+                       torch.Generator().manual_seed(5))  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    sigma = torch.sigmoid(torch.randn(4, generator=g))
+    noise = torch.randn(traj.final_latents.shape, generator=g)
+    x0, s = traj.final_latents, sigma.view(4, 1, 1, 1)
+    e = traj.embeds
+    with torch.no_grad():
+        both = adapter.transformer(hidden_states=torch.cat([(1 - s) * x0 + s * noise] * 2),
+                                   timestep=torch.cat([1000 * sigma] * 2),
+                                   encoder_hidden_states=torch.cat([e.negative_embeds, e.prompt_embeds]),
+                                   pooled_projections=torch.cat([e.negative_pooled, e.pooled])).sample  # fmt: skip
+    uncond, cond = both.chunk(2)
+    guided = uncond + 4.5 * (cond - uncond)
+    expected = (advantages * ((guided - (noise - x0)) ** 2).mean(dim=(1, 2, 3))).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=0)
+
+
 def test_one_awm_step_fits_a_better_sample_and_unfits_a_worse_one():
     adapter, traj = _setup()
     cfg = _config()
