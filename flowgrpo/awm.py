@@ -62,14 +62,15 @@ def awm_loss(
     # Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value. CFG
     # families: the conditional branch, or with grpo.awm.cfg the guided velocity the rollout sampled with.
     guidance = sub.guidance_scale if awm.cfg or not adapter.uses_cfg else 1.0
-    velocity = adapter.velocity(noisy.to(x0.dtype), sigma, sub.embeds, guidance)
+    model_input = noisy.to(x0.dtype)
+    velocity = adapter.velocity(model_input, sigma, sub.embeds, guidance)
     error = (velocity.float() - (noise - clean)).pow(2).flatten(1).mean(dim=1)  # [B]
     policy_loss = (advantages.detach().float().to(error.device) * error).mean()
     one = torch.ones((), device=error.device)
     kl = 0 * one
     if cfg.grpo.kl.beta > 0:
         with torch.no_grad(), adapter.adapter_disabled():
-            reference = adapter.velocity(noisy.to(x0.dtype), sigma, sub.embeds, guidance)
+            reference = adapter.velocity(model_input, sigma, sub.embeds, guidance)
         kl = (velocity.float() - reference.float()).pow(2).flatten(1).mean(dim=1).mean()
     loss = policy_loss + cfg.grpo.kl.beta * kl
     with torch.no_grad():

@@ -29,13 +29,17 @@ def _config(*overrides):
     return load_config(TINY, ["run.progress=false", *AWM, *overrides])
 
 
-def _setup(kind="sd3", guidance=4.5):
-    adapter = make_adapter(build_tiny_pipeline(kind, seed=0))
+def _with_lora(adapter):
     adapter.add_lora(4, 8, "default", "gaussian", 0.0)
     with torch.no_grad():  # LoRA B starts at 0; move it so the adapter is part of what is checked
         for name, p in adapter.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    return adapter
+
+
+def _setup(kind="sd3", guidance=4.5):
+    adapter = _with_lora(make_adapter(build_tiny_pipeline(kind, seed=0)))
     sampler = SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=guidance)
     traj = rollout(adapter, PROMPTS, [0, 0, 1, 1], sampler, range(0, 0), torch.Generator().manual_seed(1),
                    height=SIZE, width=SIZE)  # fmt: skip
@@ -145,12 +149,8 @@ def test_awm_without_cfg_families_keeps_the_rollouts_guidance(monkeypatch):
 def test_awm_trains_every_lora_weight_of_the_other_families(kind):
     """Packed (FLUX, Qwen), source-conditioned (editing) and video latents: the loss and its KL are finite and reach
     every adapter weight (SD3 and FLUX: the tests above)."""
-    adapter = make_adapter(build_tiny_pipeline(kind, seed=0), **({"num_frames": 5} if kind == "wan" else {}))
-    adapter.add_lora(4, 8, "default", "gaussian", 0.0)
-    with torch.no_grad():
-        for name, p in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    frames = {"num_frames": 5} if kind == "wan" else {}
+    adapter = _with_lora(make_adapter(build_tiny_pipeline(kind, seed=0), **frames))
     edit = kind in ("flux-kontext", "qwenimage-edit")
     sources = [str(ROOT / "configs" / "prompts" / "edit_images" / f"{n}.png") for n in ("red_square", "blue_circle")]
     sampler = SamplerConfig(noise_level=0.0, num_steps=3, guidance_scale=2.5)
