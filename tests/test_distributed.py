@@ -30,13 +30,16 @@ DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_pr
 ZERO2 = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2"]
 FSDP2 = ["--config_file", "configs/accelerate/fsdp.yaml", "--num_processes", "2"]
 FSDP_DRIVER = "tests/fsdp_cpu_driver.py"
+# Port 0: accelerate picks a free port for each launch. With its default, 29500, two launches that xdist runs
+# at once on two workers (a fixture's run beside a test's own) collide: EADDRINUSE at the rendezvous.
+FREE_PORT = ["--main_process_port", "0"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _launch(launcher: list[str], output_dir: Path, *overrides: str, script: str = "scripts/train.py",
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, script, "--config", str(TINY),
-           f"run.output_dir={output_dir}", *COMMON, *overrides]  # fmt: skip
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, *FREE_PORT, script, "--config",
+           str(TINY), f"run.output_dir={output_dir}", *COMMON, *overrides]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600)
 
 
@@ -130,8 +133,8 @@ def test_two_process_resume_is_exact(ddp_run, tmp_path):
 def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop, checkpoint once and exit (torchrun itself
     then reports the signal: exit code 143)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, "scripts/train.py", "--config", str(TINY),
-           f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, *FREE_PORT, "scripts/train.py", "--config",
+           str(TINY), f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
            "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
     # torchrun SIGKILLs its workers this long after forwarding the signal (30 s by default): room for a slow machine.
     env = {**ENV, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "180"}
