@@ -39,6 +39,32 @@ if TYPE_CHECKING:
     from .rollout import Trajectory
 
 
+def noised_final_latents(cfg: Config, x0: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward process on the final latents: σ ~ sigmoid(N(logit_mean, logit_std²)) shifted by
+    ``grpo.awm.time_shift`` and ε ~ N(0, I), one each per sample from ``generator`` (CPU); returns σ [B], ε and
+    x_σ = (1 - σ) x0 + σ ε, both fp32 (mixed and differenced in fp32; only the network's input takes x0's dtype)."""
+    awm = cfg.grpo.awm
+    n = x0.shape[0]
+    sigma = torch.sigmoid(awm.logit_mean + awm.logit_std * torch.randn(n, generator=generator))
+    sigma = (awm.time_shift * sigma / (1 + (awm.time_shift - 1) * sigma)).to(x0.device)
+    noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+    s = sigma.view((n,) + (1,) * (x0.ndim - 1))
+    return sigma, noise, (1 - s) * x0.float() + s * noise
+
+
+def training_guidance(adapter: PipelineAdapter, cfg: Config, sub: Trajectory) -> float:
+    """Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value. CFG
+    families: the conditional branch (1.0), or with grpo.awm.cfg the guided velocity the rollout sampled with."""
+    return sub.guidance_scale if cfg.grpo.awm.cfg or not adapter.uses_cfg else 1.0
+
+
+def ratio_free_stats(loss: Tensor, policy_loss: Tensor, kl: Tensor) -> LossStats:
+    """The objectives without a likelihood ratio log it as 1 (clip fraction and approx KL 0)."""
+    one = torch.ones((), device=loss.device)
+    return LossStats(loss=loss.detach(), policy_loss=policy_loss.detach(), kl=kl.detach(), ratio_mean=one,
+                     ratio_min=one, ratio_max=one, clip_fraction=0 * one, approx_kl=0 * one)  # fmt: skip
+
+
 def awm_loss(
     adapter: PipelineAdapter,
     cfg: Config,
@@ -51,29 +77,17 @@ def awm_loss(
     flow-matching loss plus β × the velocity KL (scalar, to backward) and its stats (no ratio: logged as 1, clip
     fraction 0)."""
     x0 = sub.final_latents
-    awm = cfg.grpo.awm
-    shape = (len(sub),) + (1,) * (x0.ndim - 1)
-    sigma = torch.sigmoid(awm.logit_mean + awm.logit_std * torch.randn(len(sub), generator=generator))
-    sigma = (awm.time_shift * sigma / (1 + (awm.time_shift - 1) * sigma)).to(x0.device)
-    noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+    sigma, noise, noisy = noised_final_latents(cfg, x0, generator)
     clean = x0.float()
-    # Mixed and differenced in fp32; only the network's input takes the latents' dtype.
-    noisy = (1 - sigma.view(shape)) * clean + sigma.view(shape) * noise
-    # Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value. CFG
-    # families: the conditional branch, or with grpo.awm.cfg the guided velocity the rollout sampled with.
-    guidance = sub.guidance_scale if awm.cfg or not adapter.uses_cfg else 1.0
+    guidance = training_guidance(adapter, cfg, sub)
     model_input = noisy.to(x0.dtype)
     velocity = adapter.velocity(model_input, sigma, sub.embeds, guidance)
     error = (velocity.float() - (noise - clean)).pow(2).flatten(1).mean(dim=1)  # [B]
     policy_loss = (advantages.detach().float().to(error.device) * error).mean()
-    one = torch.ones((), device=error.device)
-    kl = 0 * one
+    kl = torch.zeros((), device=error.device)
     if cfg.grpo.kl.beta > 0:
         with torch.no_grad(), adapter.adapter_disabled():
             reference = adapter.velocity(model_input, sigma, sub.embeds, guidance)
         kl = (velocity.float() - reference.float()).pow(2).flatten(1).mean(dim=1).mean()
     loss = policy_loss + cfg.grpo.kl.beta * kl
-    with torch.no_grad():
-        stats = LossStats(loss=loss.detach(), policy_loss=policy_loss.detach(), kl=kl.detach(), ratio_mean=one,
-                          ratio_min=one, ratio_max=one, clip_fraction=0 * one, approx_kl=0 * one)  # fmt: skip
-    return loss, stats
+    return loss, ratio_free_stats(loss, policy_loss, kl)

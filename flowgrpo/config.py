@@ -182,6 +182,14 @@ class AWMConfig:
 
 
 @dataclass
+class NFTConfig:
+    """``grpo.nft:`` negative-aware fine-tuning (``grpo.objective: nft``, see flowgrpo.nft); σ, ε as ``grpo.awm``."""
+
+    beta: float = 1.0  # β of the implicit policies v± = v_old ± β (v_θ - v_old): the trust region (DiffusionNFT: 1)
+    adv_clip_max: float = 5.0  # c: advantages clipped to ±c, r = A / 2c + 1/2 (DiffusionNFT: 5)
+
+
+@dataclass
 class GRPOConfig:
     """``grpo:`` groups and the objective (Flow-GRPO's clipped ratio, or advantage-weighted matching)."""
 
@@ -201,7 +209,9 @@ class GRPOConfig:
     objective: str = "clipped"  # clipped: the ratio of the stored SDE steps' log-probs (Flow-GRPO eq. 8) | awm: the
     #                             flow-matching loss on each final sample, weighted by its advantage (flowgrpo.awm;
     #                             ODE rollouts: sampler.noise_level 0)
+    #                             | nft: DiffusionNFT's negative-aware loss on the same noised samples (flowgrpo.nft)
     awm: AWMConfig = field(default_factory=AWMConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
 
 
 @dataclass
@@ -475,8 +485,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     _one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
     _one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
     _one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
-    _one_of("grpo.objective", g.objective, ("clipped", "awm"))
-    if g.objective == "awm":
+    _one_of("grpo.objective", g.objective, ("clipped", "awm", "nft"))
+    if g.objective in ("awm", "nft"):
         _check_awm(config)
     _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
     _check_ranges(config)
@@ -584,22 +594,26 @@ def _check_range(
 
 
 def _check_awm(config: Config) -> None:
-    """``grpo.objective: awm`` trains on the final samples: settings of the transitions' ratio do not apply."""
+    """``grpo.objective: awm | nft`` train on the final samples: settings of the transitions' ratio do not apply."""
     s, g = config.sampler, config.grpo
+    name = g.objective
     fixes = {
-        "sampler.noise_level": (s.noise_level, 0.0, "awm needs no log-probs, so the rollout is the plain ODE"),
+        "sampler.noise_level": (s.noise_level, 0.0, f"{name} needs no log-probs, so the rollout is the plain ODE"),
         "sampler.same_initial_noise": (s.same_initial_noise, False, "under the ODE a group's images would be equal"),
         "sampler.post_window.solver": (s.post_window.solver, "euler", "it would replace the whole ODE rollout"),
         "sampler.last_step": (s.last_step, "ode", "there is no SDE step"),
-        "grpo.timestep_fraction": (g.timestep_fraction, 1.0, "awm trains grpo.awm.timesteps noise levels per sample"),
+        "grpo.timestep_fraction": (g.timestep_fraction, 1.0, f"{name} trains grpo.awm.timesteps σ per sample"),
     }
     for key, (value, wanted, why) in fixes.items():
         if value != wanted:
             now, fix = (str(v).lower() if isinstance(v, bool) else v for v in (value, wanted))  # YAML's spelling
-            raise ConfigError(f"grpo.objective=awm: {key}={now} does not apply ({why}); set {key}: {fix}")
+            raise ConfigError(f"grpo.objective={name}: {key}={now} does not apply ({why}); set {key}: {fix}")
     _check_range("grpo.awm.timesteps", g.awm.timesteps, 1)
     _check_range("grpo.awm.logit_std", g.awm.logit_std, 0, low_open=True)
     _check_range("grpo.awm.time_shift", g.awm.time_shift, 0, low_open=True)
+    if name == "nft":
+        _check_range("grpo.nft.beta", g.nft.beta, 0, low_open=True)
+        _check_range("grpo.nft.adv_clip_max", g.nft.adv_clip_max, 0, low_open=True)
 
 
 def _check_ranges(config: Config) -> None:

@@ -54,6 +54,7 @@ from .data import PromptDataset, check_editing, epoch_plan, rank_slice
 from .ema import EMA
 from .evaluation import evaluate_shard, image_grid, summarize, write_report
 from .loss import LossStats, grpo_loss
+from .nft import OldWeights, nft_loss
 from .parallel import (
     any_process,
     check_launch,
@@ -136,11 +137,16 @@ class Objective:
     loss: Callable[..., tuple[torch.Tensor, LossStats]]  # (adapter, cfg, sub, positions, advantages, generator)
     terms: Callable[[Config, Trajectory], int]  # loss terms (backward passes) per micro-batch and pass
     stores_transitions: bool  # the window's steps are SDE and stored; else every step is ODE (make_window)
+    # Extra keyword arguments of ``loss`` for one epoch's training, from the trainable parameters before its first
+    # update (nft: the old weights).
+    epoch_kwargs: Callable[[list[torch.nn.Parameter]], dict[str, Any]] = lambda params: {}
 
 
 OBJECTIVES: dict[str, Objective] = {
     "clipped": Objective(timestep_loss, lambda cfg, trajectory: trajectory.num_trained_steps, True),
     "awm": Objective(awm_loss, lambda cfg, trajectory: cfg.grpo.awm.timesteps, False),
+    "nft": Objective(nft_loss, lambda cfg, trajectory: cfg.grpo.awm.timesteps, False,
+                     lambda params: {"old_weights": OldWeights(params)}),  # fmt: skip
 }
 
 
@@ -435,6 +441,7 @@ class GRPOTrainer:
         if steps == 0:
             return {}
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
+        epoch_kwargs = self.objective.epoch_kwargs(self.params)
         num_micro = n // cfg.train.batch_size  # the same on every process (validated), also when samples are dropped
         samples = (kept_samples(advantages, num_micro, shuffle) if cfg.grpo.drop_zero_advantage
                    else torch.arange(n))  # fmt: skip
@@ -456,7 +463,8 @@ class GRPOTrainer:
                     # DDP decides in the forward whether the backward all-reduces, so both run inside no_sync.
                     ctx = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(model)
                     with ctx:
-                        loss, stats = self.objective.loss(self.adapter, cfg, sub, positions[:, j], adv, shuffle)
+                        loss, stats = self.objective.loss(self.adapter, cfg, sub, positions[:, j], adv, shuffle,
+                                                          **epoch_kwargs)  # fmt: skip
                         finite = self._all_finite(loss)
                         if finite:
                             acc.backward(loss / per_update)

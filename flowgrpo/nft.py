@@ -1,0 +1,111 @@
+"""Negative-aware fine-tuning (DiffusionNFT; Zheng et al., arXiv 2509.16117) as ``grpo.objective: nft``.
+
+Like AWM (:mod:`flowgrpo.awm`) it trains on the forward process: each image's final latent x0 is noised afresh,
+x_σ = (1 - σ) x0 + σ ε, and the rollout is the plain ODE. Instead of weighting the flow-matching loss by the
+advantage, it fits two implicit policies built from the current velocity v_θ and the *old* one v_old (the weights
+the epoch's images were sampled with, frozen for the epoch)::
+
+    v⁺ = (1 - β) v_old + β v_θ            (better than the group: fit the data)
+    v⁻ = (1 + β) v_old - β v_θ            (worse: the mirror image fits it, so v_θ moves away)
+    r  = clip(A, -c, c) / 2c + 1/2        (the advantage as an optimality probability in [0, 1])
+    loss = c/β · mean_i [ r_i ‖x̂0(v⁺) - x0‖² / w⁺_i + (1 - r_i) ‖x̂0(v⁻) - x0‖² / w⁻_i ],   x̂0(v) = x_σ - σ v
+
+with β = ``grpo.nft.beta``, c = ``grpo.nft.adv_clip_max`` and the adaptive weights w = mean|x̂0 - x0| (no gradient,
+at least 1e-5), as in the paper's public code. Both terms pull v_θ to a bounded target,
+v_old + (2r - 1)(ε - x0 - v_old)/β at the optimum: unlike AWM's negative weights, a bad sample cannot push the model
+without limit, and the adaptive weights keep every sample's gradient at the same scale.
+With v_θ = v_old (the epoch's first step) the gradient is AWM's with r - 1/2 in place of A.
+
+σ and ε are drawn as for AWM (``grpo.awm.timesteps`` terms per sample at ``sigmoid(N(logit_mean, logit_std²))``,
+``grpo.awm.time_shift``; ``grpo.awm.cfg``), and ``grpo.kl.beta`` adds β_KL · mean|v_θ - v_ref|² to the adapter-disabled
+model. The old velocity is one more forward without gradient, on the trainable weights as they were when the
+epoch's training began (:class:`OldWeights`; the paper's soft "old" update with decay 0). Deliberately simpler
+than the paper's code: σ comes from the logit-normal above rather than from the sampler's schedule, and rollouts
+sample with the current weights (its decay > 0 samples with a slowly moving average).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .awm import noised_final_latents, ratio_free_stats, training_guidance
+
+if TYPE_CHECKING:
+    from .adapters import PipelineAdapter
+    from .config import Config
+    from .loss import LossStats
+    from .rollout import Trajectory
+
+
+class OldWeights:
+    """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it.
+
+    The swap exchanges the parameters' storage (no copy) and restores it on exit. Run it before the forward that
+    builds the graph to differentiate: a graph holds the parameters, not their storage at the time."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.saved = [p.detach().clone() for p in params]
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        current = [p.data for p in self.params]
+        for p, old in zip(self.params, self.saved, strict=True):
+            p.data = old
+        try:
+            yield
+        finally:
+            for p, now in zip(self.params, current, strict=True):
+                p.data = now
+
+
+def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:
+    """Per sample: mean squared error over mean absolute error (the latter without gradient, at least 1e-5)."""
+    error = (prediction - target).flatten(1)
+    weight = error.detach().abs().mean(dim=1).clamp_min(1e-5)
+    return error.pow(2).mean(dim=1) / weight
+
+
+def nft_loss(
+    adapter: PipelineAdapter,
+    cfg: Config,
+    sub: Trajectory,
+    positions: Tensor,  # noqa: ARG001 (the clipped objective's window positions; nft trains on the final latents)
+    advantages: Tensor,
+    generator: torch.Generator | None = None,
+    old_weights: OldWeights | None = None,
+) -> tuple[Tensor, LossStats]:
+    """One loss term of a micro-batch: a fresh (σ, ε) per sample from ``generator`` (CPU), the old and (β_KL > 0)
+    reference velocities without gradient, then the NFT loss plus β_KL × the velocity KL and its stats (no ratio:
+    logged as 1, clip fraction 0). ``old_weights=None``: the current weights are the old ones."""
+    x0 = sub.final_latents
+    sigma, noise, noisy = noised_final_latents(cfg, x0, generator)
+    clean = x0.float()
+    guidance = training_guidance(adapter, cfg, sub)
+    model_input = noisy.to(x0.dtype)
+    with torch.no_grad(), old_weights.swapped_in() if old_weights is not None else contextlib.nullcontext():
+        old = adapter.velocity(model_input, sigma, sub.embeds, guidance).float()
+    reference = None
+    if cfg.grpo.kl.beta > 0:
+        with torch.no_grad(), adapter.adapter_disabled():
+            reference = adapter.velocity(model_input, sigma, sub.embeds, guidance).float()
+    velocity = adapter.velocity(model_input, sigma, sub.embeds, guidance).float()
+
+    beta, clip = cfg.grpo.nft.beta, cfg.grpo.nft.adv_clip_max
+    r = advantages.detach().float().to(velocity.device).clamp(-clip, clip) / (2 * clip) + 0.5
+    s = sigma.view((len(sub),) + (1,) * (x0.ndim - 1))
+    positive = beta * velocity + (1 - beta) * old
+    negative = (1 + beta) * old - beta * velocity
+    fit, mirror = _adaptive_error(noisy - s * positive, clean), _adaptive_error(noisy - s * negative, clean)
+    per_sample = r * fit + (1 - r) * mirror
+    policy_loss = (per_sample * clip / beta).mean()
+    kl = torch.zeros((), device=velocity.device)
+    if reference is not None:
+        kl = (velocity - reference).pow(2).flatten(1).mean(dim=1).mean()
+    loss = policy_loss + cfg.grpo.kl.beta * kl
+    return loss, ratio_free_stats(loss, policy_loss, kl)

@@ -1,0 +1,156 @@
+"""Negative-aware fine-tuning (grpo.objective: nft): the loss against DiffusionNFT's formula on the bare transformer,
+its gradient at the old weights, the old-weights swap, the config checks, and a trainer run."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_awm import PROMPTS, TINY, _setup
+
+from flowgrpo.config import ConfigError, load_config
+from flowgrpo.nft import OldWeights, nft_loss
+from flowgrpo.trainer import GRPOTrainer
+
+NFT = ["grpo.objective=nft", "sampler.noise_level=0"]
+DRAWS = ["grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3"]
+ADVANTAGES = torch.tensor([7.0, -0.5, 2.5, -1.25])  # the first beyond the clip (5)
+POSITIONS = torch.zeros(len(PROMPTS), dtype=torch.long)
+
+
+def _config(*overrides):
+    return load_config(TINY, ["run.progress=false", *NFT, *overrides])
+
+
+def _trainable(adapter):
+    return [p for p in adapter.transformer.parameters() if p.requires_grad]
+
+
+def _draws(x0, seed=7):
+    """σ and ε as flowgrpo.awm draws them for DRAWS: σ = shift-3 of sigmoid(0.3 + 0.7 z), then ε."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(len(x0), generator=g))
+    sigma = 3 * sigma / (1 + 2 * sigma)
+    return sigma, torch.randn(x0.shape, generator=g)
+
+
+def _conditional_velocity(transformer, traj, noisy, sigma):
+    return transformer(hidden_states=noisy, timestep=1000 * sigma, encoder_hidden_states=traj.embeds.prompt_embeds,
+                       pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+
+
+def test_nft_loss_is_diffusionnfts_formula_with_the_old_weights():
+    adapter, traj = _setup()
+    old_transformer = copy.deepcopy(adapter.transformer)
+    old = OldWeights(_trainable(adapter))
+    with torch.no_grad():  # then the weights move: current and old velocities differ
+        for p in _trainable(adapter):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    cfg = _config(*DRAWS, "grpo.nft.beta=0.7", "grpo.nft.adv_clip_max=5", "grpo.kl.beta=0.5")
+    loss, stats = nft_loss(adapter, cfg, traj, POSITIONS, ADVANTAGES, torch.Generator().manual_seed(7), old)
+
+    # By hand, as the paper's code: r from the clipped advantage, the two implicit policies, x0 predictions,
+    # squared errors over their (constant) mean absolute errors, times c / β; + β_KL · mean|v - v_ref|².
+    x0 = traj.final_latents
+    sigma, noise = _draws(x0)
+    s = sigma.view(4, 1, 1, 1)
+    noisy = (1 - s) * x0 + s * noise
+    with torch.no_grad():
+        v = _conditional_velocity(adapter.transformer, traj, noisy, sigma)
+        v_old = _conditional_velocity(old_transformer, traj, noisy, sigma)
+        adapter.transformer.disable_adapters()
+        v_ref = _conditional_velocity(adapter.transformer, traj, noisy, sigma)
+        adapter.transformer.enable_adapters()
+    beta, c = 0.7, 5.0
+    r = (ADVANTAGES.clamp(-c, c) / c / 2 + 0.5).clamp(0, 1)
+    assert r[0] == 1.0
+    terms = []
+    for prediction in (beta * v + (1 - beta) * v_old, (1 + beta) * v_old - beta * v):
+        error = noisy - s * prediction - x0
+        terms.append((error**2).mean(dim=(1, 2, 3)) / error.abs().mean(dim=(1, 2, 3)).clamp(min=1e-5))
+    policy = ((r * terms[0] + (1 - r) * terms[1]) / beta * c).mean()
+    kl = ((v - v_ref) ** 2).mean()
+    assert not torch.allclose(v, v_old, atol=1e-3)  # the old weights were really used
+    # Same process and tensors: only the order of the final reductions may differ (a few ulp).
+    torch.testing.assert_close(stats.policy_loss, policy, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats.kl, kl, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.detach(), policy + 0.5 * kl, rtol=1e-6, atol=0)
+    assert stats.ratio_mean == 1 and stats.clip_fraction == 0
+
+
+def test_at_the_old_weights_the_nft_gradient_is_advantage_weighted_matching():
+    """With v_θ = v_old both implicit policies are v_θ; their gradients add up to clip(A) · σ² / w times the
+    gradient of the flow-matching error |v - (ε - x0)|² (w: the mean absolute x0 error, held constant) — AWM's
+    gradient with the advantage clipped and each sample rescaled; β cancels."""
+    adapter, traj = _setup()
+    params = _trainable(adapter)
+    for beta in (1.0, 0.3):
+        cfg = _config(*DRAWS, f"grpo.nft.beta={beta}", "grpo.nft.adv_clip_max=5")
+        loss, _ = nft_loss(adapter, cfg, traj, POSITIONS, ADVANTAGES, torch.Generator().manual_seed(7))
+        grads = torch.autograd.grad(loss, params)
+
+        x0 = traj.final_latents
+        sigma, noise = _draws(x0)
+        s = sigma.view(4, 1, 1, 1)
+        v = _conditional_velocity(adapter.transformer, traj, (1 - s) * x0 + s * noise, sigma)
+        with torch.no_grad():
+            w = (s * (noise - x0 - v)).abs().mean(dim=(1, 2, 3))  # |x0 - x̂0| = σ |ε - x0 - v|
+        matching = ((v - (noise - x0)) ** 2).mean(dim=(1, 2, 3))
+        surrogate = (ADVANTAGES.clamp(-5, 5) * sigma**2 / w * matching).mean()
+        expected = torch.autograd.grad(surrogate, params)
+        for got, want in zip(grads, expected, strict=True):
+            # The same forward on the same tensors, summed in another order: fp32 rounding of a few ulp, relative
+            # to the largest entry.
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
+        assert any(g.abs().sum() > 0 for g in grads)
+
+
+def test_old_weights_run_a_block_on_the_snapshot_and_restore_the_storage():
+    adapter, traj = _setup()
+    params = _trainable(adapter)
+    old = OldWeights(params)
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    storage = [p.data_ptr() for p in params]
+    with old.swapped_in():
+        assert all(torch.equal(p, s) for p, s in zip(params, old.saved, strict=True))
+    assert [p.data_ptr() for p in params] == storage
+    assert all(torch.equal(p, s + 1.0) for p, s in zip(params, old.saved, strict=True))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("sampler.noise_level=0.7", "sampler.noise_level"), ("grpo.nft.beta=0", "grpo.nft.beta"),
+     ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"), ("grpo.awm.timesteps=0", "grpo.awm.timesteps")],
+)  # fmt: skip
+def test_nft_config_mistakes_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
+        _config(override)
+    if key.startswith("sampler."):
+        assert "grpo.objective=nft" in str(err.value)
+
+
+def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts(tmp_path, monkeypatch):
+    snapshots = []
+
+    class Recorded(OldWeights):
+        def __init__(self, params):
+            super().__init__(params)
+            snapshots.append([s.clone() for s in self.saved])
+
+    monkeypatch.setattr("flowgrpo.trainer.OldWeights", Recorded)  # (looked up when each epoch starts)
+    config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "train.weight_decay=0")
+    trainer = GRPOTrainer(config)
+    params = _trainable(trainer.adapter)
+    start = [p.detach().clone() for p in params]
+    trainer.fit()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in rows if "train/loss" in r] == [2, 4]  # 2 optimizer steps per epoch
+    # Epoch 0's old weights are the initial ones; epoch 1's are where epoch 0 ended (moved), not the current ones.
+    assert len(snapshots) == 2
+    assert all(torch.equal(s, p) for s, p in zip(snapshots[0], start, strict=True))
+    assert any(not torch.equal(s, p) for s, p in zip(snapshots[1], start, strict=True))
+    assert any(not torch.equal(s, p.detach()) for s, p in zip(snapshots[1], params, strict=True))
