@@ -178,6 +178,10 @@ class GRPOTrainer:
         if framed and self.adapter.family not in VIDEO_KINDS:  # else refused only at the first score, after sampling
             raise ConfigError(f"rewards.{framed[0]}.frames says how to score video clips, but model.pretrained is a "
                               f"{self.adapter.family} image pipeline: remove the frames option")  # fmt: skip
+        if config.grpo.objective == "nft" and (self.deepspeed or self.fsdp):
+            raise ConfigError("grpo.objective=nft swaps the old weights into the trainable parameters for a forward, "
+                              "written for parameters that are whole tensors on every process (one process, DDP); "
+                              "under DeepSpeed or FSDP use grpo.objective: awm")  # fmt: skip
         if config.model.compile:  # in place, before prepare(): rollout, loss and KL reference all run it compiled
             if self.deepspeed or self.fsdp:
                 raise ConfigError("model.compile=true runs on one process or under DDP; DeepSpeed and FSDP wrap the "
