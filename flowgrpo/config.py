@@ -229,6 +229,10 @@ class TrainConfig:
     eps: float = 1.0e-8
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
+    lr_schedule: str = "constant"  # diffusers' get_scheduler over run.epochs × the optimizer steps per epoch: constant
+    #                                | constant_with_warmup | linear | cosine | cosine_with_restarts | polynomial. A
+    #                                function of the optimizer steps taken, so a resumed run continues it
+    lr_warmup_steps: int = 0  # optimizer steps of linear warmup from 0 (the *_with_warmup, linear, cosine… schedules)
     ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9). Stepped after every micro-batch
     #                   with the optimizer step count s, as Flow-GRPO's EMAModuleWrapper.step
     ema_update_every: int = 1  # the EMA moves only when (s + 1) % this == 0 (Flow-GRPO 8)
@@ -489,6 +493,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     if g.objective in ("awm", "nft"):
         _check_awm(config)
     _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
+    _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
     _check_ranges(config)
     total = g.group_size * g.groups_per_epoch
     per_round = s.batch_size * world_size
@@ -530,6 +536,9 @@ def validate(config: Config, world_size: int = 1) -> None:
 
 
 VIDEO_KINDS = ("wan",)  # model kinds that generate clips (model.num_frames)
+# diffusers.optimization.get_scheduler's names that need nothing but warmup and total steps (piecewise_constant
+# takes step rules: not offered).
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 WAN_TEMPORAL_FACTOR = 4  # frames per latent frame of AutoencoderKLWan (Wan2.1), after the first frame
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather_object, set_seed
+from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, FrameReward, apply_nan_policy, build_reward
@@ -110,6 +111,16 @@ def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.op
     return torch.optim.AdamW(params, **kwargs)
 
 
+def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
+    """The factor on ``train.lr`` after a number of optimizer steps: diffusers' ``get_scheduler`` multiplier for
+    ``train.lr_schedule`` over ``total_steps``. The trainer sets the lr from it before every backward, so the lr is a
+    function of the step count alone (a resumed run continues the schedule; nothing more to checkpoint)."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler wants an optimizer
+    t = config.train
+    scheduler = get_scheduler(t.lr_schedule, probe, num_warmup_steps=t.lr_warmup_steps, num_training_steps=total_steps)
+    return scheduler.lr_lambdas[0]
+
+
 def timestep_loss(
     adapter: PipelineAdapter,
     cfg: Config,
@@ -142,11 +153,15 @@ class Objective:
     epoch_kwargs: Callable[[list[torch.nn.Parameter]], dict[str, Any]] = lambda params: {}
 
 
+def _old_weights(params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """nft: the weights the epoch sampled with, before its first update."""
+    return {"old_weights": OldWeights(params)}
+
+
 OBJECTIVES: dict[str, Objective] = {
     "clipped": Objective(timestep_loss, lambda cfg, trajectory: trajectory.num_trained_steps, True),
     "awm": Objective(awm_loss, lambda cfg, trajectory: cfg.grpo.awm.timesteps, False),
-    "nft": Objective(nft_loss, lambda cfg, trajectory: cfg.grpo.awm.timesteps, False,
-                     lambda params: {"old_weights": OldWeights(params)}),  # fmt: skip
+    "nft": Objective(nft_loss, lambda cfg, trajectory: cfg.grpo.awm.timesteps, False, _old_weights),
 }
 
 
@@ -197,7 +212,9 @@ class GRPOTrainer:
         self.ema = EMA(self.params, t.ema, update_every=t.ema_update_every, warmup=t.ema_warmup) if t.ema > 0 else None
         self.accumulation = accumulation_steps(config, acc.num_processes)  # micro-batches per optimizer step
         per_pass = micro_batches_per_pass(config, acc.num_processes)
-        acc.print(f"{per_pass * t.inner_epochs // self.accumulation} optimizer steps per epoch at {acc.num_processes} "
+        steps_per_epoch = per_pass * t.inner_epochs // self.accumulation
+        self.lr_factor = make_lr_factor(config, config.run.epochs * steps_per_epoch)
+        acc.print(f"{steps_per_epoch} optimizer steps per epoch at {acc.num_processes} "
                   f"process(es) (gradient accumulation {self.accumulation}"
                   + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
                   + ")")  # fmt: skip
@@ -461,6 +478,9 @@ class GRPOTrainer:
                 positions = trained_positions(len(mb), steps, shuffle, shuffle=cfg.grpo.shuffle_timesteps,
                                               fraction=cfg.grpo.timestep_fraction)  # fmt: skip
                 for j in range(trained):
+                    # Before the backward: DeepSpeed steps inside the one that ends a cycle.
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = cfg.train.lr * self.lr_factor(self.state.global_step)
                     backwards += 1
                     sync = backwards % per_update == 0
                     acc.sync_gradients = sync  # DeepSpeed reduces and steps inside the backward that ends a cycle

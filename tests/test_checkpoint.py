@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +56,36 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     assert [p.name for p in list_checkpoints(part.run_dir)] == ["epoch-00003", "epoch-00004"]  # keep_last=2
     rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # the resumed run appends to the same log
+
+
+def test_the_lr_schedule_follows_the_optimizer_steps_and_a_resume_continues_it(tmp_path):
+    common = ["run.epochs=3", "checkpoint.every=1", "checkpoint.keep_last=3", "train.lr=1e-3",
+              "train.lr_schedule=cosine", "train.lr_warmup_steps=1"]  # fmt: skip
+    full = _trainer(tmp_path / "a", *common)
+    full.fit()
+    rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
+    per_epoch = rows[0]["global_step"]
+    total = 3 * per_epoch
+    assert per_epoch >= 2 and [r["global_step"] for r in rows] == [per_epoch, 2 * per_epoch, total]
+
+    def cosine(step):  # diffusers' cosine with warmup, by hand: warmup 1 step from 0, then half a cosine to 0
+        return step / 1 if step < 1 else 0.5 * (1 + math.cos(math.pi * (step - 1) / (total - 1)))
+
+    # train/lr is the lr of the epoch's last optimizer step, taken after (e + 1) · per_epoch - 1 steps.
+    assert [r["train/lr"] for r in rows] == pytest.approx([1e-3 * cosine((e + 1) * per_epoch - 1) for e in range(3)],
+                                                          rel=1e-12)  # fmt: skip
+    # Interrupted after epoch 1 and resumed: the schedule continues from the step count, so the run ends equal.
+    copy = tmp_path / "b" / full.run_dir.name
+    shutil.copytree(full.run_dir, copy)
+    for name in ("epoch-00002", "epoch-00003"):
+        shutil.rmtree(copy / "checkpoints" / name)
+    (copy / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    resumed = _trainer(tmp_path / "b", *common, f"run.resume={copy / 'checkpoints' / 'epoch-00001'}")
+    resumed.fit()
+    again = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/lr"] for r in again] == [r["train/lr"] for r in rows]
+    a, b = (load_file(str(run / "checkpoints" / "epoch-00003" / "adapter.safetensors")) for run in (full.run_dir, copy))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exactly(tmp_path, monkeypatch):

@@ -108,6 +108,8 @@ def test_config_overrides_types_and_defaults(tmp_path):
         (["checkpoint.keep_last=0"], r"checkpoint.keep_last must be >= 1"),
         (["run.log_every=0"], r"run.log_every must be >= 1"),
         (["sampler.kappa=0"], r"sampler.kappa must be > 0"),
+        (["train.lr_schedule=cosine_decay"], r"train.lr_schedule.*cosine"),
+        (["train.lr_warmup_steps=-1"], r"train.lr_warmup_steps must be >= 0"),
     ],
 )
 def test_config_errors_name_key_and_fix(overrides, message):
