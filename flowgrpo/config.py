@@ -232,7 +232,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # diffusers' get_scheduler over run.epochs × the optimizer steps per epoch: constant
     #                                | constant_with_warmup | linear | cosine | cosine_with_restarts | polynomial. A
     #                                function of the optimizer steps taken, so a resumed run continues it
-    lr_warmup_steps: int = 0  # optimizer steps of linear warmup from 0 (the *_with_warmup, linear, cosine… schedules)
+    lr_warmup_steps: int = 0  # optimizer steps of linear warmup from lr 0 (every schedule but constant)
     ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9). Stepped after every micro-batch
     #                   with the optimizer step count s, as Flow-GRPO's EMAModuleWrapper.step
     ema_update_every: int = 1  # the EMA moves only when (s + 1) % this == 0 (Flow-GRPO 8)
@@ -495,6 +495,9 @@ def validate(config: Config, world_size: int = 1) -> None:
     _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
     _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
+    if t.lr_warmup_steps and t.lr_schedule == "constant":
+        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} does nothing with train.lr_schedule=constant; "
+                          "set train.lr_schedule: constant_with_warmup (or another schedule)")  # fmt: skip
     _check_ranges(config)
     total = g.group_size * g.groups_per_epoch
     per_round = s.batch_size * world_size

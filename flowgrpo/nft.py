@@ -14,7 +14,7 @@ with β = ``grpo.nft.beta``, c = ``grpo.nft.adv_clip_max`` and the adaptive weig
 at least 1e-5), as in the paper's public code. Both terms pull v_θ to a bounded target,
 v_old + (2r - 1)(ε - x0 - v_old)/β at the optimum: unlike AWM's negative weights, a bad sample cannot push the model
 without limit, and the adaptive weights keep every sample's gradient at the same scale.
-With v_θ = v_old (the epoch's first step) the gradient is AWM's with r - 1/2 in place of A.
+With v_θ = v_old (the epoch's first step) the gradient is AWM's with clip(A, -c, c) · σ²/w in place of A.
 
 σ and ε are drawn as for AWM (``grpo.awm.timesteps`` terms per sample at ``sigmoid(N(logit_mean, logit_std²))``,
 ``grpo.awm.time_shift``; ``grpo.awm.cfg``), and ``grpo.kl.beta`` adds β_KL · mean|v_θ - v_ref|² to the adapter-disabled
@@ -46,7 +46,8 @@ class OldWeights:
     """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it.
 
     The swap exchanges the parameters' storage (no copy) and restores it on exit. Run it before the forward that
-    builds the graph to differentiate: a graph holds the parameters, not their storage at the time."""
+    builds the graph to differentiate: a graph holds the parameters, not their storage at the time. Autocast caches
+    its casts of parameters by tensor, so the cache is cleared on both sides of the swap."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
@@ -57,11 +58,13 @@ class OldWeights:
         current = [p.data for p in self.params]
         for p, old in zip(self.params, self.saved, strict=True):
             p.data = old
+        torch.clear_autocast_cache()
         try:
             yield
         finally:
             for p, now in zip(self.params, current, strict=True):
                 p.data = now
+            torch.clear_autocast_cache()
 
 
 def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:

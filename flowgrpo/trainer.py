@@ -112,11 +112,16 @@ def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.op
 
 
 def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
-    """The factor on ``train.lr`` after a number of optimizer steps: diffusers' ``get_scheduler`` multiplier for
-    ``train.lr_schedule`` over ``total_steps``. The trainer sets the lr from it before every backward, so the lr is a
-    function of the step count alone (a resumed run continues the schedule; nothing more to checkpoint)."""
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler wants an optimizer
+    """The factor on ``train.lr`` at an optimizer step: diffusers' ``get_scheduler`` multiplier for
+    ``train.lr_schedule`` over ``total_steps`` (run.epochs × the steps per epoch). The trainer sets the lr before
+    every backward from the epoch and the accumulation cycle within it, so a resumed run, even on another process
+    count, continues the schedule with nothing more to checkpoint, and a skipped non-finite step does not shift it."""
     t = config.train
+    if t.lr_schedule != "constant" and t.lr_warmup_steps >= total_steps:
+        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than the run's {total_steps} "
+                          "optimizer steps; lower it")  # fmt: skip
+    # get_scheduler wants an optimizer; at train.lr because polynomial's end lr (1e-7) is absolute.
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)
     scheduler = get_scheduler(t.lr_schedule, probe, num_warmup_steps=t.lr_warmup_steps, num_training_steps=total_steps)
     return scheduler.lr_lambdas[0]
 
@@ -212,7 +217,7 @@ class GRPOTrainer:
         self.ema = EMA(self.params, t.ema, update_every=t.ema_update_every, warmup=t.ema_warmup) if t.ema > 0 else None
         self.accumulation = accumulation_steps(config, acc.num_processes)  # micro-batches per optimizer step
         per_pass = micro_batches_per_pass(config, acc.num_processes)
-        steps_per_epoch = per_pass * t.inner_epochs // self.accumulation
+        self.steps_per_epoch = steps_per_epoch = per_pass * t.inner_epochs // self.accumulation
         self.lr_factor = make_lr_factor(config, config.run.epochs * steps_per_epoch)
         acc.print(f"{steps_per_epoch} optimizer steps per epoch at {acc.num_processes} "
                   f"process(es) (gradient accumulation {self.accumulation}"
@@ -479,8 +484,9 @@ class GRPOTrainer:
                                               fraction=cfg.grpo.timestep_fraction)  # fmt: skip
                 for j in range(trained):
                     # Before the backward: DeepSpeed steps inside the one that ends a cycle.
+                    step = epoch * self.steps_per_epoch + backwards // per_update
                     for group in self.optimizer.param_groups:
-                        group["lr"] = cfg.train.lr * self.lr_factor(self.state.global_step)
+                        group["lr"] = cfg.train.lr * self.lr_factor(step)
                     backwards += 1
                     sync = backwards % per_update == 0
                     acc.sync_gradients = sync  # DeepSpeed reduces and steps inside the backward that ends a cycle

@@ -59,14 +59,15 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
 
 
 def test_the_lr_schedule_follows_the_optimizer_steps_and_a_resume_continues_it(tmp_path):
-    common = ["run.epochs=3", "checkpoint.every=1", "checkpoint.keep_last=3", "train.lr=1e-3",
+    # Two passes per epoch: the steps per epoch (the schedule's length) count both.
+    common = ["run.epochs=3", "checkpoint.every=1", "checkpoint.keep_last=3", "train.lr=1e-3", "train.inner_epochs=2",
               "train.lr_schedule=cosine", "train.lr_warmup_steps=1"]  # fmt: skip
     full = _trainer(tmp_path / "a", *common)
     full.fit()
     rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
     per_epoch = rows[0]["global_step"]
     total = 3 * per_epoch
-    assert per_epoch >= 2 and [r["global_step"] for r in rows] == [per_epoch, 2 * per_epoch, total]
+    assert per_epoch >= 4 and [r["global_step"] for r in rows] == [per_epoch, 2 * per_epoch, total]
 
     def cosine(step):  # diffusers' cosine with warmup, by hand: warmup 1 step from 0, then half a cosine to 0
         return step / 1 if step < 1 else 0.5 * (1 + math.cos(math.pi * (step - 1) / (total - 1)))

@@ -110,6 +110,7 @@ def test_config_overrides_types_and_defaults(tmp_path):
         (["sampler.kappa=0"], r"sampler.kappa must be > 0"),
         (["train.lr_schedule=cosine_decay"], r"train.lr_schedule.*cosine"),
         (["train.lr_warmup_steps=-1"], r"train.lr_warmup_steps must be >= 0"),
+        (["train.lr_warmup_steps=2"], r"set train.lr_schedule: constant_with_warmup"),
     ],
 )
 def test_config_errors_name_key_and_fix(overrides, message):

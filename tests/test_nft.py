@@ -134,12 +134,16 @@ def test_nft_config_mistakes_name_the_key(override, key):
 
 
 def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts(tmp_path, monkeypatch):
-    snapshots = []
+    snapshots, swaps = [], []
 
     class Recorded(OldWeights):
         def __init__(self, params):
             super().__init__(params)
             snapshots.append([s.clone() for s in self.saved])
+
+        def swapped_in(self):
+            swaps.append(len(snapshots))
+            return super().swapped_in()
 
     monkeypatch.setattr("flowgrpo.trainer.OldWeights", Recorded)  # (looked up when each epoch starts)
     config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "train.weight_decay=0")
@@ -151,6 +155,8 @@ def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts
     assert [r["global_step"] for r in rows if "train/loss" in r] == [2, 4]  # 2 optimizer steps per epoch
     # Epoch 0's old weights are the initial ones; epoch 1's are where epoch 0 ended (moved), not the current ones.
     assert len(snapshots) == 2
+    # Every loss term's old velocity ran on its epoch's snapshot: 2 micro-batches × 1 term per epoch.
+    assert swaps == [1, 1, 2, 2]
     assert all(torch.equal(s, p) for s, p in zip(snapshots[0], start, strict=True))
     assert any(not torch.equal(s, p) for s, p in zip(snapshots[1], start, strict=True))
     assert any(not torch.equal(s, p.detach()) for s, p in zip(snapshots[1], params, strict=True))
