@@ -164,7 +164,7 @@ class AdvantageConfig:
 
 @dataclass
 class KLConfig:
-    """``grpo.kl:`` KL to the adapter-disabled model (objective awm: mean squared velocity difference, flowgrpo.awm)."""
+    """``grpo.kl:`` KL to the adapter-disabled model (objectives awm, nft: mean squared velocity difference)."""
 
     beta: float = 0.0  # 0 skips the reference forward entirely
     convention: str = "flowgrpo"  # exact | flowgrpo (std without sqrt(Δ), as Flow-GRPO's published β); clipped only
@@ -172,7 +172,8 @@ class KLConfig:
 
 @dataclass
 class AWMConfig:
-    """``grpo.awm:`` the advantage-weighted matching objective (``grpo.objective: awm``, see flowgrpo.awm)."""
+    """``grpo.awm:`` how the forward-process objectives (``grpo.objective: awm | nft``, see flowgrpo.awm) noise the
+    final samples: terms per sample, the σ distribution, and which velocity is fitted."""
 
     timesteps: int = 1  # loss terms per sample and pass: each a fresh noise level σ and noise ε
     logit_mean: float = 0.0  # σ = sigmoid(N(logit_mean, logit_std²)): SD3's logit-normal pretraining distribution

@@ -5,7 +5,7 @@
 Each epoch: SAMPLING (rollouts with the SDE inside the window, rewards scored in the background),
 ADVANTAGES (rewards gathered from every process, group-relative advantages), TRAINING (the ``grpo.objective``:
 every stored transition re-scored under the current weights, clipped ratio loss + β·KL to the adapter-disabled
-model; or ``awm``, the advantage-weighted flow-matching loss on the final samples; one backward per term, an
+model; or ``awm`` / ``nft``, flow-matching losses on the noised final samples; one backward per term, an
 optimizer step per accumulation cycle). Model specifics live in the adapter, sampler specifics in ``samplers``.
 """
 
