@@ -241,6 +241,16 @@ def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
 
 
+def test_nft_is_refused_under_deepspeed_with_the_fix(tmp_path):
+    pytest.importorskip("deepspeed")
+    launcher = ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "1", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    result = _launch(launcher, tmp_path, "grpo.objective=nft", "sampler.noise_level=0")
+    assert result.returncode != 0
+    assert "under DeepSpeed or FSDP use grpo.objective: awm" in " ".join(result.stderr.split())
+    assert not list(tmp_path.iterdir())  # refused before the run directory was made
+
+
 def test_deepspeed_is_refused_with_an_accelerate_that_steps_after_every_backward(monkeypatch):
     from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
 
