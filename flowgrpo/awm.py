@@ -26,7 +26,7 @@ The clipped objective's ratio metrics are logged as 1 (clip fraction, approx KL 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,23 +39,51 @@ if TYPE_CHECKING:
     from .rollout import Trajectory
 
 
-def noised_final_latents(cfg: Config, x0: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+class NoisedPoint(NamedTuple):
+    """Where a forward-process loss term evaluates the network: σ [B], ε and x_σ = (1 - σ) x0 + σ ε in fp32, x0 in
+    fp32, the network's input (x_σ in x0's dtype) and the guidance it is run with."""
+
+    sigma: Tensor
+    noise: Tensor
+    noisy: Tensor
+    clean: Tensor
+    model_input: Tensor
+    guidance: float
+
+
+def noised_point(
+    adapter: PipelineAdapter, cfg: Config, sub: Trajectory, generator: torch.Generator | None
+) -> NoisedPoint:
     """The forward process on the final latents: σ ~ sigmoid(N(logit_mean, logit_std²)) shifted by
-    ``grpo.awm.time_shift`` and ε ~ N(0, I), one each per sample from ``generator`` (CPU); returns σ [B], ε and
-    x_σ = (1 - σ) x0 + σ ε, both fp32 (mixed and differenced in fp32; only the network's input takes x0's dtype)."""
-    awm = cfg.grpo.awm
+    ``grpo.awm.time_shift`` and ε ~ N(0, I), one each per sample from ``generator`` (CPU); mixed and differenced in
+    fp32, only the network's input takes x0's dtype. Guidance: families without CFG take it as an input (FLUX's
+    embedded guidance): the rollout's value; CFG families: the conditional branch (1.0), or with grpo.awm.cfg the
+    guided velocity the rollout sampled with."""
+    awm, x0 = cfg.grpo.awm, sub.final_latents
     n = x0.shape[0]
     sigma = torch.sigmoid(awm.logit_mean + awm.logit_std * torch.randn(n, generator=generator))
     sigma = (awm.time_shift * sigma / (1 + (awm.time_shift - 1) * sigma)).to(x0.device)
     noise = torch.randn(x0.shape, generator=generator).to(x0.device)
     s = sigma.view((n,) + (1,) * (x0.ndim - 1))
-    return sigma, noise, (1 - s) * x0.float() + s * noise
+    clean = x0.float()
+    noisy = (1 - s) * clean + s * noise
+    guidance = sub.guidance_scale if awm.cfg or not adapter.uses_cfg else 1.0
+    return NoisedPoint(sigma, noise, noisy, clean, noisy.to(x0.dtype), guidance)
 
 
-def training_guidance(adapter: PipelineAdapter, cfg: Config, sub: Trajectory) -> float:
-    """Families without CFG take the guidance as an input (FLUX's embedded guidance): keep the rollout's value. CFG
-    families: the conditional branch (1.0), or with grpo.awm.cfg the guided velocity the rollout sampled with."""
-    return sub.guidance_scale if cfg.grpo.awm.cfg or not adapter.uses_cfg else 1.0
+def velocity(adapter: PipelineAdapter, point: NoisedPoint, sub: Trajectory) -> Tensor:
+    """The network's velocity at ``point`` (fp32), under whatever weights are active."""
+    return adapter.velocity(point.model_input, point.sigma, sub.embeds, point.guidance).float()
+
+
+def velocity_kl(adapter: PipelineAdapter, cfg: Config, point: NoisedPoint, sub: Trajectory, v: Tensor) -> Tensor:
+    """β_KL > 0: mean |v - v_ref|² to the adapter-disabled model at the same point (one forward without gradient);
+    else 0 without a forward."""
+    if cfg.grpo.kl.beta <= 0:
+        return torch.zeros((), device=v.device)
+    with torch.no_grad(), adapter.adapter_disabled():
+        reference = velocity(adapter, point, sub)
+    return (v - reference).pow(2).flatten(1).mean(dim=1).mean()
 
 
 def ratio_free_stats(loss: Tensor, policy_loss: Tensor, kl: Tensor) -> LossStats:
@@ -76,18 +104,10 @@ def awm_loss(
     """One loss term of a micro-batch: a fresh (σ, ε) per sample from ``generator`` (CPU), the advantage-weighted
     flow-matching loss plus β × the velocity KL (scalar, to backward) and its stats (no ratio: logged as 1, clip
     fraction 0)."""
-    x0 = sub.final_latents
-    sigma, noise, noisy = noised_final_latents(cfg, x0, generator)
-    clean = x0.float()
-    guidance = training_guidance(adapter, cfg, sub)
-    model_input = noisy.to(x0.dtype)
-    velocity = adapter.velocity(model_input, sigma, sub.embeds, guidance)
-    error = (velocity.float() - (noise - clean)).pow(2).flatten(1).mean(dim=1)  # [B]
+    point = noised_point(adapter, cfg, sub, generator)
+    v = velocity(adapter, point, sub)
+    error = (v - (point.noise - point.clean)).pow(2).flatten(1).mean(dim=1)  # [B]
     policy_loss = (advantages.detach().float().to(error.device) * error).mean()
-    kl = torch.zeros((), device=error.device)
-    if cfg.grpo.kl.beta > 0:
-        with torch.no_grad(), adapter.adapter_disabled():
-            reference = adapter.velocity(model_input, sigma, sub.embeds, guidance)
-        kl = (velocity.float() - reference.float()).pow(2).flatten(1).mean(dim=1).mean()
+    kl = velocity_kl(adapter, cfg, point, sub, v)
     loss = policy_loss + cfg.grpo.kl.beta * kl
     return loss, ratio_free_stats(loss, policy_loss, kl)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .awm import noised_final_latents, ratio_free_stats, training_guidance
+from .awm import noised_point, ratio_free_stats, velocity, velocity_kl
 
 if TYPE_CHECKING:
     from .adapters import PipelineAdapter
@@ -86,29 +86,19 @@ def nft_loss(
     """One loss term of a micro-batch: a fresh (σ, ε) per sample from ``generator`` (CPU), the old and (β_KL > 0)
     reference velocities without gradient, then the NFT loss plus β_KL × the velocity KL and its stats (no ratio:
     logged as 1, clip fraction 0). ``old_weights=None``: the current weights are the old ones."""
-    x0 = sub.final_latents
-    sigma, noise, noisy = noised_final_latents(cfg, x0, generator)
-    clean = x0.float()
-    guidance = training_guidance(adapter, cfg, sub)
-    model_input = noisy.to(x0.dtype)
+    point = noised_point(adapter, cfg, sub, generator)
     with torch.no_grad(), old_weights.swapped_in() if old_weights is not None else contextlib.nullcontext():
-        old = adapter.velocity(model_input, sigma, sub.embeds, guidance).float()
-    reference = None
-    if cfg.grpo.kl.beta > 0:
-        with torch.no_grad(), adapter.adapter_disabled():
-            reference = adapter.velocity(model_input, sigma, sub.embeds, guidance).float()
-    velocity = adapter.velocity(model_input, sigma, sub.embeds, guidance).float()
+        old = velocity(adapter, point, sub)
+    v = velocity(adapter, point, sub)
+    kl = velocity_kl(adapter, cfg, point, sub, v)
 
     beta, clip = cfg.grpo.nft.beta, cfg.grpo.nft.adv_clip_max
-    r = advantages.detach().float().to(velocity.device).clamp(-clip, clip) / (2 * clip) + 0.5
-    s = sigma.view((len(sub),) + (1,) * (x0.ndim - 1))
-    positive = beta * velocity + (1 - beta) * old
-    negative = (1 + beta) * old - beta * velocity
-    fit, mirror = _adaptive_error(noisy - s * positive, clean), _adaptive_error(noisy - s * negative, clean)
-    per_sample = r * fit + (1 - r) * mirror
-    policy_loss = (per_sample * clip / beta).mean()
-    kl = torch.zeros((), device=velocity.device)
-    if reference is not None:
-        kl = (velocity - reference).pow(2).flatten(1).mean(dim=1).mean()
+    r = advantages.detach().float().to(v.device).clamp(-clip, clip) / (2 * clip) + 0.5
+    s = point.sigma.view((len(sub),) + (1,) * (v.ndim - 1))
+    positive = beta * v + (1 - beta) * old
+    negative = (1 + beta) * old - beta * v
+    fit = _adaptive_error(point.noisy - s * positive, point.clean)
+    mirror = _adaptive_error(point.noisy - s * negative, point.clean)
+    policy_loss = ((r * fit + (1 - r) * mirror) * clip / beta).mean()
     loss = policy_loss + cfg.grpo.kl.beta * kl
     return loss, ratio_free_stats(loss, policy_loss, kl)
