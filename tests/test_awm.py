@@ -46,24 +46,33 @@ def _setup(kind="sd3", guidance=4.5):
     return adapter, traj
 
 
+def _draws(x0, seed=7):
+    """σ and ε as flowgrpo.awm draws them for logit_mean 0.3, logit_std 0.7, time_shift 3: σ = sigmoid(0.3 + 0.7 z)
+    shifted by the SD3 scheduler's formula, then ε."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(len(x0), generator=g))
+    sigma = 3 * sigma / (1 + 2 * sigma)
+    return sigma, torch.randn(x0.shape, generator=g)
+
+
+def _conditional_velocity(transformer, traj, noisy, sigma):
+    """The transformer fed the prompt only (no CFG), at timestep 1000 σ as the SD3 scheduler feeds it."""
+    return transformer(hidden_states=noisy, timestep=1000 * sigma, encoder_hidden_states=traj.embeds.prompt_embeds,
+                       pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+
+
 def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditional_model():
     adapter, traj = _setup()
     cfg = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3")
     advantages = torch.tensor([1.5, -0.5, 0.25, -1.25])
     loss, stats = awm_loss(adapter, cfg, traj, torch.zeros(4, dtype=torch.long), advantages,
                            torch.Generator().manual_seed(7))  # fmt: skip
-    # The same draws, by hand: σ = sigmoid(0.3 + 0.7 z), then ε; the transformer fed the prompt only (no CFG), at
-    # timestep 1000 σ as the SD3 scheduler feeds it.
-    g = torch.Generator().manual_seed(7)
-    sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(4, generator=g))
-    sigma = 3 * sigma / (1 + 2 * sigma)  # the SD3 scheduler's shift formula, shift 3
-    noise = torch.randn(traj.final_latents.shape, generator=g)
+    # The same draws, by hand, and the conditional velocity there.
     x0 = traj.final_latents
+    sigma, noise = _draws(x0)
     s = sigma.view(4, 1, 1, 1)
     with torch.no_grad():
-        v = adapter.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=1000 * sigma,
-                                encoder_hidden_states=traj.embeds.prompt_embeds,
-                                pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+        v = _conditional_velocity(adapter.transformer, traj, (1 - s) * x0 + s * noise, sigma)
     per_sample = ((v - (noise - x0)) ** 2).mean(dim=(1, 2, 3))
     expected = (advantages * per_sample).mean()
     # Same process, same tensors, same kernels: only the order of the final reductions may differ (a few ulp).
@@ -78,9 +87,7 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
                            torch.Generator().manual_seed(7))  # fmt: skip
     adapter.transformer.disable_adapters()
     with torch.no_grad():
-        v_ref = adapter.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=1000 * sigma,
-                                    encoder_hidden_states=traj.embeds.prompt_embeds,
-                                    pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+        v_ref = _conditional_velocity(adapter.transformer, traj, (1 - s) * x0 + s * noise, sigma)
     adapter.transformer.enable_adapters()
     kl = ((v - v_ref) ** 2).mean()
     assert kl > 0

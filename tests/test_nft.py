@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_awm import PROMPTS, TINY, _setup
+from test_awm import PROMPTS, TINY, _conditional_velocity, _draws, _setup
 
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.nft import OldWeights, nft_loss
@@ -26,19 +26,6 @@ def _config(*overrides):
 
 def _trainable(adapter):
     return [p for p in adapter.transformer.parameters() if p.requires_grad]
-
-
-def _draws(x0, seed=7):
-    """σ and ε as flowgrpo.awm draws them for DRAWS: σ = shift-3 of sigmoid(0.3 + 0.7 z), then ε."""
-    g = torch.Generator().manual_seed(seed)
-    sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(len(x0), generator=g))
-    sigma = 3 * sigma / (1 + 2 * sigma)
-    return sigma, torch.randn(x0.shape, generator=g)
-
-
-def _conditional_velocity(transformer, traj, noisy, sigma):
-    return transformer(hidden_states=noisy, timestep=1000 * sigma, encoder_hidden_states=traj.embeds.prompt_embeds,
-                       pooled_projections=traj.embeds.pooled).sample  # fmt: skip
 
 
 def test_nft_loss_is_diffusionnfts_formula_with_the_old_weights():
