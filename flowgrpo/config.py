@@ -249,6 +249,8 @@ class EvalConfig:
     guidance_scale: float = 4.5
     batch_size: int = 8
     max_prompts: int | None = None  # evaluate the first N test prompts (>= 1); null: all of them
+    samples_per_prompt: int = 1  # images per test prompt, each from its own fixed noise (GenEval: 4): means over all;
+    #                              accuracies also as pass@k (any of a prompt's k right)
     use_ema: bool = False  # evaluate with the EMA weights (needs train.ema > 0; Flow-GRPO does)
 
 
@@ -641,7 +643,7 @@ def _check_ranges(config: Config) -> None:
         "grpo.groups_per_epoch": g.groups_per_epoch, "train.batch_size": t.batch_size,
         "train.gradient_accumulation": t.gradient_accumulation, "train.inner_epochs": t.inner_epochs,
         "train.ema_update_every": t.ema_update_every,
-        "eval.num_steps": e.num_steps, "eval.batch_size": e.batch_size,
+        "eval.num_steps": e.num_steps, "eval.batch_size": e.batch_size, "eval.samples_per_prompt": e.samples_per_prompt,
         "checkpoint.keep_last": config.checkpoint.keep_last,
     }  # fmt: skip
     non_negative = {

@@ -42,24 +42,33 @@ def evaluate_shard(
     shard: tuple[int, int] = (0, 1),
     equal_batches: bool = False,
 ) -> tuple[list[int], Tensor, dict[str, Tensor]]:
-    """ODE samples and scores of this shard's prompts (every ``world``-th from ``rank``): (indices, images, scores).
+    """ODE samples and scores of this shard's images (every ``world``-th from ``rank``): (prompt indices, images,
+    scores). ``eval.samples_per_prompt`` k: each prompt's k images are consecutive (its index repeats k times).
 
-    Each prompt's initial noise comes from ``(seed, prompt index)``, so an image does not depend on the batching
-    or on how the prompts are split over processes. ``equal_batches``: every shard runs as many model batches
-    as the largest one (padding with an unscored batch), for sharded models whose forwards are collectives.
+    Image j of prompt i starts from the (j+1)-th noise drawn from a generator seeded by ``(seed, i)`` (image 0: the
+    first, as with k = 1), so an image does not depend on the batching, on k, or on how the images are split over
+    processes. ``equal_batches``: every shard runs as many model batches as the largest one (padding with an
+    unscored batch), for sharded models whose forwards are collectives.
     """
     count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
     rank, world = shard
-    indices = list(range(rank, count, world))
+    per_prompt = eval_config.samples_per_prompt
+    items = [(i, j) for i in range(count) for j in range(per_prompt)][rank::world]
+    indices = [i for i, _ in items]
     sampler = ode_sampler(eval_config)
     images, scores = [], defaultdict(list)
     generator = torch.Generator()
-    batches = [indices[i : i + eval_config.batch_size] for i in range(0, len(indices), eval_config.batch_size)]
-    for batch in tqdm(batches, desc="evaluating", disable=not progress, leave=False):
-        latents = torch.cat([
-            adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed * 1_000_003 + i))
-            for i in batch
-        ])  # fmt: skip
+
+    def noise(i: int, j: int) -> Tensor:
+        generator.manual_seed(seed * 1_000_003 + i)
+        for _ in range(j):
+            adapter.initial_noise(1, resolution, resolution, generator=generator)
+        return adapter.initial_noise(1, resolution, resolution, generator=generator)
+
+    batches = [items[i : i + eval_config.batch_size] for i in range(0, len(items), eval_config.batch_size)]
+    for batch_items in tqdm(batches, desc="evaluating", disable=not progress, leave=False):
+        latents = torch.cat([noise(i, j) for i, j in batch_items])
+        batch = [i for i, _ in batch_items]
         texts = [dataset.prompts[i] for i in batch]
         meta = [dict(dataset.metadata[i]) for i in batch]
         traj = rollout(adapter, texts, list(batch), sampler, range(0, 0), height=resolution, width=resolution,
@@ -68,7 +77,7 @@ def evaluate_shard(
         for k, v in reward(traj.images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
         images.append(traj.images.cpu())
-    largest = math.ceil(math.ceil(count / world) / eval_config.batch_size)
+    largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
         noise = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
         rollout(adapter, [dataset.prompts[0]], [0], sampler, range(0, 0), height=resolution, width=resolution,
@@ -93,7 +102,32 @@ def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
         mask = torch.tensor([t == tag for t in tags])
         for k, v in scores.items():
             summary[f"{k}/tag/{tag}"] = mean(k, v[mask])
+    summary.update(pass_at_k(dataset, indices, scores))
     return summary
+
+
+def pass_at_k(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:
+    """With k > 1 images of every prompt (``eval.samples_per_prompt``): for each accuracy (a score named
+    ``.../accuracy/...``, 0 or 1 per image) the share of prompts with at least one of their k images right, as
+    ``{key}/pass@k`` and per tag ``{key}/pass@k/tag/{tag}``: how much better the model can do than its mean, the
+    headroom a reward-driven fine-tune can sharpen into. Nothing for k = 1 (it equals the mean)."""
+    prompts = sorted(set(indices))
+    position = {i: n for n, i in enumerate(prompts)}
+    rows = torch.tensor([position[i] for i in indices])
+    k = len(indices) // max(len(prompts), 1)
+    if k < 2 or len(indices) != k * len(prompts) or torch.bincount(rows).min() != k:
+        return {}
+    tags = [dataset.metadata[i].get("tag") for i in prompts]
+    out = {}
+    for key, values in scores.items():
+        if "/accuracy/" not in key:
+            continue
+        right = torch.zeros(len(prompts)).scatter_reduce(0, rows, values.float(), "amax", include_self=False)
+        out[f"{key}/pass@{k}"] = right.mean().item()
+        for tag in sorted({t for t in tags if t is not None}):
+            mask = torch.tensor([t == tag for t in tags])
+            out[f"{key}/pass@{k}/tag/{tag}"] = right[mask].mean().item()
+    return out
 
 
 def evaluate(

@@ -578,7 +578,8 @@ class GRPOTrainer:
                 seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes), equal_batches=self.fsdp,
             )  # fmt: skip
         self.adapter.clear_prompt_cache()
-        keep = sum(1 for i in indices if i < GRID_IMAGES)  # only the first prompts' images travel, for the grid
+        shown = max(1, GRID_IMAGES // cfg.eval.samples_per_prompt)  # the first prompts, all their images
+        keep = sum(1 for i in indices if i < shown)  # only those images travel, for the grid
         parts = [(indices, images[:keep], scores)]
         if acc.num_processes > 1:
             parts = gather_object(parts)
@@ -587,7 +588,7 @@ class GRPOTrainer:
             order = sorted((i, r, j) for r, (idx, _, _) in enumerate(parts) for j, i in enumerate(idx))
             indices = [i for i, _, _ in order]
             scores = {k: torch.stack([parts[r][2][k][j] for _, r, j in order]) for k in parts[0][2]}
-            grid = [parts[r][1][j] for i, r, j in order if i < GRID_IMAGES]
+            grid = [parts[r][1][j] for i, r, j in order if i < shown]
             summary = summarize(self.test_data, indices, scores)
             prompts = [self.test_data.prompts[i] for i in indices]
             images = torch.stack(grid) if grid else torch.zeros(0)

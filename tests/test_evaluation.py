@@ -14,12 +14,16 @@ from flowgrpo.tiny import build_tiny_pipeline
 from rewards import build_reward
 
 
-def test_per_tag_means_shards_and_report(tmp_path):
+def _tagged(tmp_path, count):
+    """A prompt file of ``count`` tagged prompts (odd: counting, even: colors), read back, and a tiny SD3."""
     prompts = tmp_path / "p.jsonl"
-    rows = [{"prompt": f"object {i}", "tag": "counting" if i % 2 else "colors"} for i in range(5)]
+    rows = [{"prompt": f"object {i}", "tag": "counting" if i % 2 else "colors"} for i in range(count)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows))
-    dataset = PromptDataset.from_file(prompts)
-    adapter = make_adapter(build_tiny_pipeline("sd3", seed=0, vae="tiny"))
+    return rows, PromptDataset.from_file(prompts), make_adapter(build_tiny_pipeline("sd3", seed=0, vae="tiny"))
+
+
+def test_per_tag_means_shards_and_report(tmp_path):
+    rows, dataset, adapter = _tagged(tmp_path, 5)
     reward = build_reward({"brightness": 2.0})
     config = EvalConfig(num_steps=3, guidance_scale=4.5, batch_size=2)
     summary, images, names, scores = evaluate(adapter, dataset, reward, config, resolution=32, seed=1)
@@ -52,3 +56,29 @@ def test_summary_sub_scores_skip_images_they_do_not_apply_to_and_trained_scores_
     assert summary["geneval"] == 0.4375 and summary["geneval/tag/colors"] == 1.0
     assert summary["total"] != summary["total"] and summary["total/tag/colors"] == 1.0  # NaN shows where it is
     assert summary["geneval/counting_accuracy/tag/colors"] != summary["geneval/counting_accuracy/tag/colors"]
+
+
+def test_samples_per_prompt_adds_images_from_their_own_noise_and_pass_at_k(tmp_path):
+    _, dataset, adapter = _tagged(tmp_path, 3)
+    reward = build_reward({"brightness": 1.0})
+    one = EvalConfig(num_steps=3, guidance_scale=4.5, batch_size=2)
+    three = EvalConfig(num_steps=3, guidance_scale=4.5, batch_size=2, samples_per_prompt=3)
+    _, images, _, _ = evaluate(adapter, dataset, reward, one, resolution=32, seed=1)
+    summary, many, names, scores = evaluate(adapter, dataset, reward, three, resolution=32, seed=1)
+    assert names == [p for p in dataset.prompts for _ in range(3)] and many.shape == (9, 3, 32, 32)
+    # Image 0 of each prompt is the one-image evaluation's (same noise); images 1 and 2 are others.
+    torch.testing.assert_close(many[0::3], images, rtol=0, atol=1e-6)
+    assert (many[1::3] - many[0::3]).abs().amax() > 0.05 and (many[2::3] - many[1::3]).abs().amax() > 0.05
+    assert summary["brightness"] == scores["brightness"].mean().item()
+    # Sharded over 2 processes by image, not by prompt: the same images.
+    _, odd, odd_names, _ = evaluate(adapter, dataset, reward, three, resolution=32, seed=1, shard=(1, 2))
+    assert odd_names == names[1::2]
+    torch.testing.assert_close(odd, many[1::2], rtol=0, atol=1e-6)
+    # pass@k of an accuracy: the share of prompts with any of their k images right, overall and per tag.
+    right = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])  # prompts 0 and 2 have one right
+    passed = summarize(dataset, [0, 0, 0, 1, 1, 1, 2, 2, 2], {"v/accuracy/exact": right, "v": right})
+    assert passed["v/accuracy/exact"] == right.mean().item()
+    assert passed["v/accuracy/exact/pass@3"] == torch.tensor(2 / 3).item() and "v/pass@3" not in passed  # (float32)
+    assert passed["v/accuracy/exact/pass@3/tag/colors"] == 1.0  # prompts 0 and 2
+    assert passed["v/accuracy/exact/pass@3/tag/counting"] == 0.0
+    assert not any("pass@" in k for k in summarize(dataset, [0, 1, 2], {"v/accuracy/exact": right[:3]}))
