@@ -79,9 +79,9 @@ def evaluate_shard(
         images.append(traj.images.cpu())
     largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
-        noise = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
+        padding = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
         rollout(adapter, [dataset.prompts[0]], [0], sampler, range(0, 0), height=resolution, width=resolution,
-                initial_latents=noise, sources=dataset.sources_of([0]))  # fmt: skip
+                initial_latents=padding, sources=dataset.sources_of([0]))  # fmt: skip
     empty = torch.zeros(0, 3, resolution, resolution)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 
@@ -107,10 +107,12 @@ def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
 
 
 def pass_at_k(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:
-    """With k > 1 images of every prompt (``eval.samples_per_prompt``): for each accuracy (a score named
-    ``.../accuracy/...``, 0 or 1 per image) the share of prompts with at least one of their k images right, as
-    ``{key}/pass@k`` and per tag ``{key}/pass@k/tag/{tag}``: how much better the model can do than its mean, the
-    headroom a reward-driven fine-tune can sharpen into. Nothing for k = 1 (it equals the mean)."""
+    """With k > 1 images of every prompt (``eval.samples_per_prompt``): for each accuracy (a sub-score whose name
+    has "accuracy" in it, 0 or 1 per image: ``shapes/accuracy/exact``, ``geneval/accuracy``, ...) the share of prompts
+    with at least one of their k images right, as ``{key}/pass@k`` and per tag ``{key}/pass@k/tag/{tag}``: how much
+    better the model can do than its mean, the headroom a reward-driven fine-tune can sharpen into. NaN (a score
+    that does not apply to an image, e.g. GenEval's per-tag accuracies) is skipped as in :func:`summarize`; a prompt
+    whose images all lack it does not count. Nothing for k = 1 (it equals the mean)."""
     prompts = sorted(set(indices))
     position = {i: n for n, i in enumerate(prompts)}
     rows = torch.tensor([position[i] for i in indices])
@@ -120,13 +122,15 @@ def pass_at_k(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
     tags = [dataset.metadata[i].get("tag") for i in prompts]
     out = {}
     for key, values in scores.items():
-        if "/accuracy/" not in key:
+        if "/" not in key or "accuracy" not in key or "pass@" in key:
             continue
-        right = torch.zeros(len(prompts)).scatter_reduce(0, rows, values.float(), "amax", include_self=False)
-        out[f"{key}/pass@{k}"] = right.mean().item()
+        filled = values.float().nan_to_num(nan=-math.inf)
+        right = torch.zeros(len(prompts)).scatter_reduce(0, rows, filled, "amax", include_self=False)
+        right[right == -math.inf] = math.nan
+        out[f"{key}/pass@{k}"] = right.nanmean().item()
         for tag in sorted({t for t in tags if t is not None}):
             mask = torch.tensor([t == tag for t in tags])
-            out[f"{key}/pass@{k}/tag/{tag}"] = right[mask].mean().item()
+            out[f"{key}/pass@{k}/tag/{tag}"] = right[mask].nanmean().item()
     return out
 
 

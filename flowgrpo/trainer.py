@@ -585,7 +585,9 @@ class GRPOTrainer:
             parts = gather_object(parts)
         metrics: dict[str, float] = {}
         if acc.is_main_process:
-            order = sorted((i, r, j) for r, (idx, _, _) in enumerate(parts) for j, i in enumerate(idx))
+            # Images were dealt round-robin over the processes: rank r's j-th is image j·world + r of the list.
+            order = sorted(((i, r, j) for r, (idx, _, _) in enumerate(parts) for j, i in enumerate(idx)),
+                           key=lambda item: item[2] * len(parts) + item[1])  # fmt: skip
             indices = [i for i, _, _ in order]
             scores = {k: torch.stack([parts[r][2][k][j] for _, r, j in order]) for k in parts[0][2]}
             grid = [parts[r][1][j] for i, r, j in order if i < shown]

@@ -82,3 +82,10 @@ def test_samples_per_prompt_adds_images_from_their_own_noise_and_pass_at_k(tmp_p
     assert passed["v/accuracy/exact/pass@3/tag/colors"] == 1.0  # prompts 0 and 2
     assert passed["v/accuracy/exact/pass@3/tag/counting"] == 0.0
     assert not any("pass@" in k for k in summarize(dataset, [0, 1, 2], {"v/accuracy/exact": right[:3]}))
+    # GenEval's names; a per-tag accuracy is NaN on other tags' images: skipped, as the means skip it.
+    nan = float("nan")
+    tagged = torch.tensor([nan, nan, nan, 1.0, 0.0, nan, nan, nan, nan])  # only prompt 1 (counting) has it
+    passed = summarize(dataset, [0, 0, 0, 1, 1, 1, 2, 2, 2], {"geneval/accuracy": right, "g/counting_accuracy": tagged})
+    assert passed["geneval/accuracy/pass@3"] == torch.tensor(2 / 3).item()
+    assert passed["g/counting_accuracy/pass@3"] == 1.0 and passed["g/counting_accuracy/pass@3/tag/counting"] == 1.0
+    assert passed["g/counting_accuracy/pass@3/tag/colors"] != passed["g/counting_accuracy/pass@3/tag/colors"]  # NaN
