@@ -97,13 +97,17 @@ def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
         return (values.nanmean() if "/" in key else values.mean()).item()
 
     summary = {k: mean(k, v) for k, v in scores.items()}
-    tags = [dataset.metadata[i].get("tag") for i in indices]
-    for tag in sorted({t for t in tags if t is not None}):
-        mask = torch.tensor([t == tag for t in tags])
+    for tag, mask in _tag_masks(dataset, indices).items():
         for k, v in scores.items():
             summary[f"{k}/tag/{tag}"] = mean(k, v[mask])
     summary.update(pass_at_k(dataset, indices, scores))
     return summary
+
+
+def _tag_masks(dataset: PromptDataset, indices: list[int]) -> dict[str, Tensor]:
+    """``{tag: boolean mask over indices}`` for the tags the prompts' metadata carry, sorted by tag."""
+    tags = [dataset.metadata[i].get("tag") for i in indices]
+    return {tag: torch.tensor([t == tag for t in tags]) for tag in sorted({t for t in tags if t is not None})}
 
 
 def pass_at_k(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:
@@ -115,21 +119,21 @@ def pass_at_k(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
     whose images all lack it does not count. Nothing for k = 1 (it equals the mean)."""
     prompts = sorted(set(indices))
     position = {i: n for n, i in enumerate(prompts)}
-    rows = torch.tensor([position[i] for i in indices])
-    k = len(indices) // max(len(prompts), 1)
-    if k < 2 or len(indices) != k * len(prompts) or torch.bincount(rows).min() != k:
+    rows = torch.tensor([position[i] for i in indices], dtype=torch.long)
+    counts = torch.bincount(rows)
+    k = int(counts[0]) if len(counts) else 0
+    if k < 2 or bool((counts != k).any()):
         return {}
-    tags = [dataset.metadata[i].get("tag") for i in prompts]
+    masks = _tag_masks(dataset, prompts)
     out = {}
     for key, values in scores.items():
-        if "/" not in key or "accuracy" not in key or "pass@" in key:
+        if "/" not in key or "accuracy" not in key:
             continue
         filled = values.float().nan_to_num(nan=-math.inf)
         right = torch.zeros(len(prompts)).scatter_reduce(0, rows, filled, "amax", include_self=False)
         right[right == -math.inf] = math.nan
         out[f"{key}/pass@{k}"] = right.nanmean().item()
-        for tag in sorted({t for t in tags if t is not None}):
-            mask = torch.tensor([t == tag for t in tags])
+        for tag, mask in masks.items():
             out[f"{key}/pass@{k}/tag/{tag}"] = right[mask].nanmean().item()
     return out
 
