@@ -86,6 +86,16 @@ def evaluate_shard(
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 
 
+def shard_order(lengths: list[int]) -> list[tuple[int, int]]:
+    """``(rank, j)`` of every image in the unsharded evaluation's order, given each rank's image count:
+    :func:`evaluate_shard` deals image n of the full list to rank ``n % world`` as that rank's j-th, j = ``n // world``.
+    """
+    world, total = len(lengths), sum(lengths)
+    if any(length != len(range(rank, total, world)) for rank, length in enumerate(lengths)):
+        raise ValueError(f"shard sizes {lengths} are not a round-robin deal of {total} images over {world} processes")
+    return [(n % world, n // world) for n in range(total)]
+
+
 def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:
     """``{reward: mean}`` plus ``"{reward}/tag/{tag}"`` means when the prompts' metadata carry a ``tag``.
 

@@ -53,7 +53,7 @@ from .checkpoint import (
 from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, check_editing, epoch_plan, rank_slice
 from .ema import EMA
-from .evaluation import evaluate_shard, image_grid, summarize, write_report
+from .evaluation import evaluate_shard, image_grid, shard_order, summarize, write_report
 from .loss import LossStats, grpo_loss
 from .nft import OldWeights, nft_loss
 from .parallel import (
@@ -585,12 +585,10 @@ class GRPOTrainer:
             parts = gather_object(parts)
         metrics: dict[str, float] = {}
         if acc.is_main_process:
-            # Images were dealt round-robin over the processes: rank r's j-th is image j·world + r of the list.
-            order = sorted(((i, r, j) for r, (idx, _, _) in enumerate(parts) for j, i in enumerate(idx)),
-                           key=lambda item: item[2] * len(parts) + item[1])  # fmt: skip
-            indices = [i for i, _, _ in order]
-            scores = {k: torch.stack([parts[r][2][k][j] for _, r, j in order]) for k in parts[0][2]}
-            grid = [parts[r][1][j] for i, r, j in order if i < shown]
+            order = shard_order([len(idx) for idx, _, _ in parts])  # back to the full list's order
+            indices = [parts[r][0][j] for r, j in order]
+            scores = {k: torch.stack([parts[r][2][k][j] for r, j in order]) for k in parts[0][2]}
+            grid = [parts[r][1][j] for r, j in order if parts[r][0][j] < shown]
             summary = summarize(self.test_data, indices, scores)
             prompts = [self.test_data.prompts[i] for i in indices]
             images = torch.stack(grid) if grid else torch.zeros(0)
