@@ -41,6 +41,7 @@ def evaluate_shard(
     progress: bool = False,
     shard: tuple[int, int] = (0, 1),
     equal_batches: bool = False,
+    image_prompts: int | None = None,
 ) -> tuple[list[int], Tensor, dict[str, Tensor]]:
     """ODE samples and scores of this shard's images (every ``world``-th from ``rank``): (prompt indices, images,
     scores). ``eval.samples_per_prompt`` k: each prompt's k images are consecutive (its index repeats k times).
@@ -48,7 +49,8 @@ def evaluate_shard(
     Image j of prompt i starts from the (j+1)-th noise drawn from a generator seeded by ``(seed, i)`` (image 0: the
     first, as with k = 1), so an image does not depend on the batching, on k, or on how the images are split over
     processes. ``equal_batches``: every shard runs as many model batches as the largest one (padding with an
-    unscored batch), for sharded models whose forwards are collectives.
+    unscored batch), for sharded models whose forwards are collectives. ``image_prompts`` n: only the images of
+    prompts 0..n-1 are returned (the report's grid; GenEval's 2212 lines at 512 px would take 7 GB), the scores of all.
     """
     count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
     rank, world = shard
@@ -76,7 +78,8 @@ def evaluate_shard(
         sources = {} if traj.source_images is None else {"source_images": traj.source_images}  # image editing
         for k, v in reward(traj.images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
-        images.append(traj.images.cpu())
+        shown = [n for n, i in enumerate(batch) if image_prompts is None or i < image_prompts]
+        images.append(traj.images[shown].cpu())
     largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
         padding = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
@@ -84,6 +87,14 @@ def evaluate_shard(
                 initial_latents=padding, sources=dataset.sources_of([0]))  # fmt: skip
     empty = torch.zeros(0, 3, resolution, resolution)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
+
+
+GRID_IMAGES = 64  # images in an evaluation report's grid: the first prompts', all k of each (eval.json has every score)
+
+
+def grid_prompts(samples_per_prompt: int) -> int:
+    """How many prompts, from the first, a report's grid shows with ``samples_per_prompt`` images each."""
+    return max(1, GRID_IMAGES // samples_per_prompt)
 
 
 def shard_order(lengths: list[int]) -> list[tuple[int, int]]:

@@ -53,7 +53,7 @@ from .checkpoint import (
 from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, check_editing, epoch_plan, rank_slice
 from .ema import EMA
-from .evaluation import evaluate_shard, image_grid, shard_order, summarize, write_report
+from .evaluation import evaluate_shard, grid_prompts, image_grid, shard_order, summarize, write_report
 from .loss import LossStats, grpo_loss
 from .nft import OldWeights, nft_loss
 from .parallel import (
@@ -69,8 +69,6 @@ from .parallel import (
 from .phases import PhaseTimer
 from .report import write_before_after, write_curves
 from .rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs
-
-GRID_IMAGES = 64  # evaluation images gathered for the report's grid (scores are gathered for every prompt)
 
 
 class TrainingError(RuntimeError):
@@ -571,16 +569,16 @@ class GRPOTrainer:
         # The bare model: no DDP collectives in these forwards, so shards of unequal size are fine. FSDP's
         # forwards gather weights (collectives), so there every process runs as many batches.
         self.adapter.clear_prompt_cache()  # as scripts/evaluate.py: test prompts encoded in eval batches
+        shown = grid_prompts(cfg.eval.samples_per_prompt)
         weights = self.ema.applied(self.params) if cfg.eval.use_ema else contextlib.nullcontext()
         with self.adapter.unwrapped(), weights:
             indices, images, scores = evaluate_shard(
                 self.adapter, self.test_data, self.reward, cfg.eval, resolution=cfg.model.resolution,
                 seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes), equal_batches=self.fsdp,
+                image_prompts=shown,
             )  # fmt: skip
         self.adapter.clear_prompt_cache()
-        shown = max(1, GRID_IMAGES // cfg.eval.samples_per_prompt)  # the first prompts, all their images
-        keep = sum(1 for i in indices if i < shown)  # only those images travel, for the grid
-        parts = [(indices, images[:keep], scores)]
+        parts = [(indices, images, scores)]  # images: only the grid's (the first prompts'), scores: all
         if acc.num_processes > 1:
             parts = gather_object(parts)
         metrics: dict[str, float] = {}
@@ -588,7 +586,7 @@ class GRPOTrainer:
             order = shard_order([len(idx) for idx, _, _ in parts])  # back to the full list's order
             indices = [parts[r][0][j] for r, j in order]
             scores = {k: torch.stack([parts[r][2][k][j] for r, j in order]) for k in parts[0][2]}
-            grid = [parts[r][1][j] for r, j in order if parts[r][0][j] < shown]
+            grid = [parts[r][1][j] for r, j in order if parts[r][0][j] < shown]  # a shard's first images are those
             summary = summarize(self.test_data, indices, scores)
             prompts = [self.test_data.prompts[i] for i in indices]
             images = torch.stack(grid) if grid else torch.zeros(0)

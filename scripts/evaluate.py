@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flowgrpo.config import load_config
     from flowgrpo.data import PromptDataset
-    from flowgrpo.evaluation import evaluate, write_report
+    from flowgrpo.evaluation import evaluate, grid_prompts, write_report
     from flowgrpo.export import (
         adapter_from_checkpoint,
         atomic_dir,
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary, images, prompts, scores = evaluate(
             adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed,
-            progress=True,
+            progress=True, image_prompts=grid_prompts(config.eval.samples_per_prompt),
         )  # fmt: skip
         # Checked again: evaluation takes a while, and --out may have been filled meanwhile.
         check_output_dir(

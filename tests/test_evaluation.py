@@ -75,6 +75,12 @@ def test_samples_per_prompt_adds_images_from_their_own_noise_and_pass_at_k(tmp_p
     _, odd, odd_names, _ = evaluate(adapter, dataset, reward, three, resolution=32, seed=1, shard=(1, 2))
     assert odd_names == names[1::2]
     torch.testing.assert_close(odd, many[1::2], rtol=0, atol=1e-6)
+    # image_prompts: images of the first prompts only (the report's grid), scores of all.
+    _, first, _, all_scores = evaluate(adapter, dataset, reward, three, resolution=32, seed=1, image_prompts=2)
+    torch.testing.assert_close(first, many[:6], rtol=0, atol=1e-6)
+    torch.testing.assert_close(all_scores["brightness"], scores["brightness"], rtol=0, atol=1e-6)
+    _, odd_first, _, _ = evaluate(adapter, dataset, reward, three, resolution=32, seed=1, shard=(1, 2), image_prompts=2)
+    torch.testing.assert_close(odd_first, many[1:6:2], rtol=0, atol=1e-6)  # images 1, 3, 5; 7 is prompt 2's
     # pass@k of an accuracy: the share of prompts with any of their k images right, overall and per tag.
     right = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])  # prompts 0 and 2 have one right
     passed = summarize(dataset, [0, 0, 0, 1, 1, 1, 2, 2, 2], {"v/accuracy/exact": right, "v": right})
