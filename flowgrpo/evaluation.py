@@ -78,8 +78,8 @@ def evaluate_shard(
         sources = {} if traj.source_images is None else {"source_images": traj.source_images}  # image editing
         for k, v in reward(traj.images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
-        shown = [n for n, i in enumerate(batch) if image_prompts is None or i < image_prompts]
-        images.append(traj.images[shown].cpu())
+        kept = len(batch) if image_prompts is None else sum(i < image_prompts for i in batch)  # prompts ascend
+        images.append(traj.images[:kept].cpu())
     largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
         padding = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
@@ -89,11 +89,12 @@ def evaluate_shard(
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 
 
-GRID_IMAGES = 64  # images in an evaluation report's grid: the first prompts', all k of each (eval.json has every score)
+GRID_IMAGES = 64  # an evaluation report's grid: the first prompts' images, all k of each (eval.json has every score)
 
 
 def grid_prompts(samples_per_prompt: int) -> int:
-    """How many prompts, from the first, a report's grid shows with ``samples_per_prompt`` images each."""
+    """How many prompts, from the first, a report's grid shows with ``samples_per_prompt`` images each: as many as
+    fit in ``GRID_IMAGES``, at least one."""
     return max(1, GRID_IMAGES // samples_per_prompt)
 
 
@@ -105,6 +106,19 @@ def shard_order(lengths: list[int]) -> list[tuple[int, int]]:
     if any(length != len(range(rank, total, world)) for rank, length in enumerate(lengths)):
         raise ValueError(f"shard sizes {lengths} are not a round-robin deal of {total} images over {world} processes")
     return [(n % world, n // world) for n in range(total)]
+
+
+def merge_shards(
+    parts: list[tuple[list[int], Tensor, dict[str, Tensor]]], image_prompts: int | None = None
+) -> tuple[list[int], Tensor, dict[str, Tensor]]:
+    """The processes' :func:`evaluate_shard` results, in rank order, as one evaluation's: the prompt index and
+    scores of every image in the unsharded order, and the images the shards kept (``image_prompts``: theirs)."""
+    order = shard_order([len(indices) for indices, _, _ in parts])
+    indices = [parts[r][0][j] for r, j in order]
+    scores = {k: torch.stack([parts[r][2][k][j] for r, j in order]) for k in parts[0][2]}
+    # A shard keeps the images of the first prompts: the first of its list, so j indexes them too.
+    kept = [parts[r][1][j] for r, j in order if image_prompts is None or parts[r][0][j] < image_prompts]
+    return indices, torch.stack(kept) if kept else torch.zeros(0), scores
 
 
 def summarize(dataset: PromptDataset, indices: list[int], scores: dict[str, Tensor]) -> dict[str, float]:

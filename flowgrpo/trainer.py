@@ -53,7 +53,7 @@ from .checkpoint import (
 from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, check_editing, epoch_plan, rank_slice
 from .ema import EMA
-from .evaluation import evaluate_shard, grid_prompts, image_grid, shard_order, summarize, write_report
+from .evaluation import evaluate_shard, grid_prompts, image_grid, merge_shards, summarize, write_report
 from .loss import LossStats, grpo_loss
 from .nft import OldWeights, nft_loss
 from .parallel import (
@@ -583,13 +583,9 @@ class GRPOTrainer:
             parts = gather_object(parts)
         metrics: dict[str, float] = {}
         if acc.is_main_process:
-            order = shard_order([len(idx) for idx, _, _ in parts])  # back to the full list's order
-            indices = [parts[r][0][j] for r, j in order]
-            scores = {k: torch.stack([parts[r][2][k][j] for r, j in order]) for k in parts[0][2]}
-            grid = [parts[r][1][j] for r, j in order if parts[r][0][j] < shown]  # a shard's first images are those
+            indices, images, scores = merge_shards(parts, shown)  # back to the unsharded order
             summary = summarize(self.test_data, indices, scores)
             prompts = [self.test_data.prompts[i] for i in indices]
-            images = torch.stack(grid) if grid else torch.zeros(0)
             write_report(self.run_dir / "eval", summary, images, prompts, scores, name=f"epoch{epoch:05d}")
             metrics = {f"eval/{k}": v for k, v in summary.items()}
             total = summary.get("total")

@@ -10,7 +10,7 @@ import torch
 from flowgrpo.adapters import make_adapter
 from flowgrpo.config import EvalConfig
 from flowgrpo.data import PromptDataset
-from flowgrpo.evaluation import evaluate, evaluate_shard, shard_order, summarize, write_report
+from flowgrpo.evaluation import evaluate, evaluate_shard, merge_shards, shard_order, summarize, write_report
 from flowgrpo.tiny import build_tiny_pipeline
 from rewards import build_reward
 
@@ -99,19 +99,27 @@ def test_samples_per_prompt_adds_images_from_their_own_noise_and_pass_at_k(tmp_p
 
 
 def test_shards_merge_back_into_the_unsharded_order(tmp_path):
-    """What the trainer does with its processes' evaluations: 10 images over 3 shards (4, 3, 3), merged by
-    shard_order, are the single-process evaluation's, in its order (a prompt's k images together)."""
+    """What the trainer does with its processes' evaluations: 10 images over 3 shards (4, 3, 3), merged, are the
+    single-process evaluation's, in its order (a prompt's k images together); with image_prompts, the first
+    prompts' images only."""
     _, dataset, adapter = _tagged(tmp_path, 5)
     reward = build_reward({"brightness": 1.0})
     config = EvalConfig(num_steps=2, guidance_scale=4.5, batch_size=4, samples_per_prompt=2)
     _, images, names, scores = evaluate(adapter, dataset, reward, config, resolution=32, seed=1)
     parts = [evaluate_shard(adapter, dataset, reward, config, resolution=32, seed=1, shard=(r, 3)) for r in range(3)]
-    order = shard_order([len(indices) for indices, _, _ in parts])
     assert [len(indices) for indices, _, _ in parts] == [4, 3, 3]
-    assert [dataset.prompts[parts[r][0][j]] for r, j in order] == names
+    indices, merged, merged_scores = merge_shards(parts)
+    assert [dataset.prompts[i] for i in indices] == names
     # Other batches than the unsharded run's: equal up to float rounding, as in the tests above.
-    torch.testing.assert_close(torch.stack([parts[r][1][j] for r, j in order]), images, rtol=0, atol=1e-6)
-    torch.testing.assert_close(torch.stack([parts[r][2]["total"][j] for r, j in order]), scores["total"],
-                               rtol=0, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(merged, images, rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged_scores["total"], scores["total"], rtol=0, atol=1e-6)
+    # The report grid's images only (prompts 0 and 1: images 0-3 of the list, held 2, 1, 1 by the shards).
+    parts = [evaluate_shard(adapter, dataset, reward, config, resolution=32, seed=1, shard=(r, 3), image_prompts=2)
+             for r in range(3)]  # fmt: skip
+    assert [len(shard_images) for _, shard_images, _ in parts] == [2, 1, 1]
+    indices, first, first_scores = merge_shards(parts, image_prompts=2)
+    assert [dataset.prompts[i] for i in indices] == names
+    torch.testing.assert_close(first, images[:4], rtol=0, atol=1e-6)
+    torch.testing.assert_close(first_scores["total"], scores["total"], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="round-robin"):
         shard_order([3, 3, 4])  # rank 2 cannot hold more than rank 0
