@@ -130,14 +130,15 @@ def test_two_process_resume_is_exact(ddp_run, tmp_path):
     _assert_same_finals(_resume_from_first_checkpoint(DDP, ddp_run, tmp_path), ddp_run)
 
 
-NFT = ["grpo.objective=nft", "sampler.noise_level=0", "grpo.kl.beta=0.1"]
+NFT = ["grpo.objective=nft", "sampler.noise_level=0"]
 
 
 def test_nft_under_ddp_trains_in_sync_and_resumes_exactly(tmp_path):
     """DiffusionNFT's loss runs three forwards a micro-batch (the old weights' and the base model's without
     gradient, swapped in by storage, and the trained one): under DDP the gradient still reaches both ranks' weights
     equally, and a resume restores the old weights and the σ/ε draws bit for bit."""
-    run_dir = _run(DDP, tmp_path / "nft", *NFT)
+    overrides = [*NFT, "grpo.kl.beta=0.1"]
+    run_dir = _run(DDP, tmp_path / "nft", *overrides)
     finals = [_final(run_dir, r) for r in range(2)]
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     first, last = (load_file(str(run_dir / "checkpoints" / f"epoch-0000{e}" / "adapter.safetensors")) for e in (1, 2))
@@ -147,7 +148,7 @@ def test_nft_under_ddp_trains_in_sync_and_resumes_exactly(tmp_path):
     # The velocity KL to the base model, measured before each epoch's one update: 0 on the initial weights, then
     # positive once the adapter moved.
     assert kl[0] == 0 < kl[1]
-    _assert_same_finals(_resume_from_first_checkpoint(DDP, run_dir, tmp_path, *NFT), run_dir)
+    _assert_same_finals(_resume_from_first_checkpoint(DDP, run_dir, tmp_path, *overrides), run_dir)
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
@@ -265,7 +266,7 @@ def test_nft_is_refused_under_deepspeed_with_the_fix(tmp_path):
     pytest.importorskip("deepspeed")
     launcher = ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "1", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    result = _launch(launcher, tmp_path, "grpo.objective=nft", "sampler.noise_level=0")
+    result = _launch(launcher, tmp_path, *NFT)
     assert result.returncode != 0
     assert "under DeepSpeed or FSDP use grpo.objective: awm" in " ".join(result.stderr.split())
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
