@@ -20,9 +20,7 @@ import yaml
 
 from samplers import DIFFUSIONS, KL_CONVENTIONS, LOG_PROBS, SDE_KINDS, SOLVERS, STRATEGIES
 
-
-class ConfigError(ValueError):
-    """A bad configuration: the message says which key, what was given, and what to do."""
+from .checks import ConfigError, check_num_frames, check_range, one_of
 
 
 @dataclass
@@ -426,22 +424,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-def _one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"{path} must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
-
-
 def _check_recipe_sampler(s: SamplerConfig) -> None:
     """The sampler's recipe options: each alone, then the settings each one needs."""
     w = s.window
-    _one_of("sampler.last_step", s.last_step, ("ode", "sde"))
-    _one_of("sampler.log_prob", s.log_prob, LOG_PROBS)
+    one_of("sampler.last_step", s.last_step, ("ode", "sde"))
+    one_of("sampler.log_prob", s.log_prob, LOG_PROBS)
     if not isinstance(s.shared_prefix, bool):  # a config built in code skips the loader's type check
         raise ConfigError(f"sampler.shared_prefix must be true or false, got {s.shared_prefix!r}")
-    _check_range("sampler.time_shift", s.time_shift, 0, low_open=True, why="null: the pipeline's own schedule")
-    _check_range("sampler.window.end_margin", w.end_margin, 1, why="the last step is never in the window")
+    check_range("sampler.time_shift", s.time_shift, 0, low_open=True, why="null: the pipeline's own schedule")
+    check_range("sampler.window.end_margin", w.end_margin, 1, why="the last step is never in the window")
     if s.log_prob == "squared_error" and s.kind != "cps":
         raise ConfigError(
             f"sampler.log_prob=squared_error is Flow-GRPO's convention for its cps step only, got sampler.kind="
@@ -470,7 +461,7 @@ def validate(config: Config, world_size: int = 1) -> None:
     """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes."""
     s, g, t = config.sampler, config.grpo, config.train
     kinds = ("auto", "sd3", "flux", "flux-kontext", "qwenimage", "qwenimage-edit", "wan")
-    _one_of("model.kind", config.model.kind, kinds)
+    one_of("model.kind", config.model.kind, kinds)
     if config.model.num_frames is not None:
         if config.model.kind not in ("auto", *VIDEO_KINDS):
             raise ConfigError(
@@ -478,26 +469,26 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"model.kind={config.model.kind} generates images; set model.num_frames: null"
             )
         check_num_frames(config.model.num_frames)
-    _one_of("model.dtype", config.model.dtype, ("bf16", "fp16", "fp32"))
-    _one_of("model.attention", config.model.attention, ("sdpa", "xformers"))
-    _one_of("sampler.kind", s.kind, SDE_KINDS)
-    _one_of("sampler.diffusion", s.diffusion, tuple(DIFFUSIONS))
-    _one_of("sampler.score_eval", s.score_eval, ("frozen", "reeval"))
-    _one_of("sampler.window.strategy", s.window.strategy, STRATEGIES)
-    _one_of("sampler.post_window.solver", s.post_window.solver, SOLVERS)
+    one_of("model.dtype", config.model.dtype, ("bf16", "fp16", "fp32"))
+    one_of("model.attention", config.model.attention, ("sdpa", "xformers"))
+    one_of("sampler.kind", s.kind, SDE_KINDS)
+    one_of("sampler.diffusion", s.diffusion, tuple(DIFFUSIONS))
+    one_of("sampler.score_eval", s.score_eval, ("frozen", "reeval"))
+    one_of("sampler.window.strategy", s.window.strategy, STRATEGIES)
+    one_of("sampler.post_window.solver", s.post_window.solver, SOLVERS)
     # Sampler options that reproduce published recipes: time_shift, last_step, log_prob, window.per_batch /
     # end_margin, post_window.carry_history (choices, ranges and the combinations they need).
     _check_recipe_sampler(s)
-    _one_of("grpo.advantage.std", g.advantage.std, ("group", "global"))
-    _one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
-    _one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
-    _one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
-    _one_of("grpo.objective", g.objective, ("clipped", "awm", "nft"))
+    one_of("grpo.advantage.std", g.advantage.std, ("group", "global"))
+    one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
+    one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
+    one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
+    one_of("grpo.objective", g.objective, ("clipped", "awm", "nft"))
     if g.objective in ("awm", "nft"):
         _check_awm(config)
-    _one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
-    _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
+    one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
+    one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
     if t.lr_warmup_steps and t.lr_schedule == "constant":
         raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} does nothing with train.lr_schedule=constant; "
                           "set train.lr_schedule: constant_with_warmup (or another schedule)")  # fmt: skip
@@ -545,29 +536,6 @@ VIDEO_KINDS = ("wan",)  # model kinds that generate clips (model.num_frames)
 # diffusers.optimization.get_scheduler's names that need nothing but warmup and total steps (piecewise_constant
 # takes step rules: not offered).
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-WAN_TEMPORAL_FACTOR = 4  # frames per latent frame of AutoencoderKLWan (Wan2.1), after the first frame
-
-
-def check_num_frames(
-    num_frames: int, temporal_factor: int = WAN_TEMPORAL_FACTOR, key: str = "model.num_frames"
-) -> None:
-    """Refuse a frame count the video VAE cannot take: it encodes the first frame alone and then ``temporal_factor``
-    frames per latent frame, so the count must be ``temporal_factor · k + 1``. The message lists the valid values."""
-    f = temporal_factor
-    whole = isinstance(num_frames, int) and not isinstance(num_frames, bool) and num_frames >= 1
-    if whole and (num_frames - 1) % f == 0:
-        return
-    if not whole:
-        valid = f"1, {1 + f}, {1 + 2 * f}, ..."
-        raise ConfigError(f"{key} must be a positive frame count {f}k + 1 ({valid}), got {num_frames!r}")
-    below = (num_frames - 1) // f * f + 1
-    raise ConfigError(
-        f"{key}={num_frames} is not a frame count the video VAE can take: it encodes the first frame alone and then "
-        f"{f} frames per latent frame, so the count must be {f}k + 1 (1, {1 + f}, {1 + 2 * f}, ..., 81, ...); the "
-        f"nearest valid values are {below} and {below + f}"
-    )
-
-
 def accumulation_steps(config: Config, world_size: int) -> int:
     """Micro-batches per optimizer step at ``world_size`` processes: ``train.gradient_accumulation``, or derived from
     ``train.updates_per_epoch`` so that the optimizer steps per epoch do not change with the process count."""
@@ -580,32 +548,6 @@ def accumulation_steps(config: Config, world_size: int) -> int:
 def micro_batches_per_pass(config: Config, world_size: int) -> int:
     """Training micro-batches each of ``world_size`` processes runs per pass over the epoch's samples."""
     return config.grpo.group_size * config.grpo.groups_per_epoch // world_size // config.train.batch_size
-
-
-def _check_range(
-    key: str,
-    value: float | None,
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-    why: str = "",
-) -> None:
-    """``value`` (None: unset, allowed) must lie in the interval; open ends exclude the bound."""
-    if value is None:
-        return
-    ok = (low is None or (value > low if low_open else value >= low)) and (
-        high is None or (value < high if high_open else value <= high)
-    )
-    if ok:
-        return
-    if high is None:
-        bound = f"> {low}" if low_open else f">= {low}"
-    else:
-        left, right = "(" if low_open else "[", ")" if high_open else "]"
-        bound = f"lie in {left}{low}, {high}{right}"
-    raise ConfigError(f"{key} must {'' if high is not None else 'be '}{bound}{f' ({why})' if why else ''}, got {value}")
 
 
 def _check_awm(config: Config) -> None:
@@ -623,19 +565,19 @@ def _check_awm(config: Config) -> None:
         if value != wanted:
             now, fix = (str(v).lower() if isinstance(v, bool) else v for v in (value, wanted))  # YAML's spelling
             raise ConfigError(f"grpo.objective={name}: {key}={now} does not apply ({why}); set {key}: {fix}")
-    _check_range("grpo.awm.timesteps", g.awm.timesteps, 1)
-    _check_range("grpo.awm.logit_std", g.awm.logit_std, 0, low_open=True)
-    _check_range("grpo.awm.time_shift", g.awm.time_shift, 0, low_open=True)
+    check_range("grpo.awm.timesteps", g.awm.timesteps, 1)
+    check_range("grpo.awm.logit_std", g.awm.logit_std, 0, low_open=True)
+    check_range("grpo.awm.time_shift", g.awm.time_shift, 0, low_open=True)
     if name == "nft":
-        _check_range("grpo.nft.beta", g.nft.beta, 0, low_open=True)
-        _check_range("grpo.nft.adv_clip_max", g.nft.adv_clip_max, 0, low_open=True)
+        check_range("grpo.nft.beta", g.nft.beta, 0, low_open=True)
+        check_range("grpo.nft.adv_clip_max", g.nft.adv_clip_max, 0, low_open=True)
 
 
 def _check_ranges(config: Config) -> None:
     """The range of every numeric field (NaN and inf are already refused while the config is built)."""
     r, m, s, g, t, e = config.run, config.model, config.sampler, config.grpo, config.train, config.eval
     w = s.window
-    _check_range("run.seed", r.seed, 0, 2**32 - 1, why="numpy's seed range")
+    check_range("run.seed", r.seed, 0, 2**32 - 1, why="numpy's seed range")
     at_least_one = {
         "run.epochs": r.epochs, "run.log_every": r.log_every, "run.max_nonfinite_steps": r.max_nonfinite_steps,
         "model.resolution": m.resolution, "model.lora.rank": m.lora.rank, "sampler.batch_size": s.batch_size,
@@ -653,13 +595,13 @@ def _check_ranges(config: Config) -> None:
         "grpo.kl.beta": g.kl.beta, "train.weight_decay": t.weight_decay,
     }  # fmt: skip
     for key, value in at_least_one.items():
-        _check_range(key, value, 1)
+        check_range(key, value, 1)
     for key, value in non_negative.items():
-        _check_range(key, value, 0)
-    _check_range("eval.max_prompts", e.max_prompts, 1, why="null evaluates every test prompt")
-    _check_range("model.max_sequence_length", m.max_sequence_length, 1, why="null: the family's default")
-    _check_range("model.lora.alpha", m.lora.alpha, 0, low_open=True)
-    _check_range("model.lora.dropout", m.lora.dropout, 0, 1, high_open=True)
+        check_range(key, value, 0)
+    check_range("eval.max_prompts", e.max_prompts, 1, why="null evaluates every test prompt")
+    check_range("model.max_sequence_length", m.max_sequence_length, 1, why="null: the family's default")
+    check_range("model.lora.alpha", m.lora.alpha, 0, low_open=True)
+    check_range("model.lora.dropout", m.lora.dropout, 0, 1, high_open=True)
     if m.lora.dropout > 0:
         raise ConfigError(
             f"model.lora.dropout={m.lora.dropout} is not supported: dropout is active when the loss re-scores the "
@@ -670,7 +612,7 @@ def _check_ranges(config: Config) -> None:
         raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is always ODE), got {s.num_steps}")
     if s.noise_level < 0 or (s.kind == "cps" and s.noise_level > 1):
         raise ConfigError(f"sampler.noise_level must be >= 0 (<= 1 for cps), got {s.noise_level}")
-    _check_range("sampler.kappa", s.kappa, 0, low_open=True, why="Langevin's step cap, κ·t_next")
+    check_range("sampler.kappa", s.kappa, 0, low_open=True, why="Langevin's step cap, κ·t_next")
     trainable = s.num_steps - w.end_margin  # steps a window may cover (window.end_margin checked in validate)
     if trainable < 1:
         raise ConfigError(
@@ -685,19 +627,19 @@ def _check_ranges(config: Config) -> None:
         )
     # The window's last possible start: a window of `size` steps must end before the final (ODE) step(s).
     last_start = trainable - (w.size or trainable)
-    _check_range("sampler.window.max_start", w.max_start, 0, last_start, why="the window ends before the last step")
-    _check_range("sampler.post_window.ratio", s.post_window.ratio, 0, 1, low_open=True)
+    check_range("sampler.window.max_start", w.max_start, 0, last_start, why="the window ends before the last step")
+    check_range("sampler.post_window.ratio", s.post_window.ratio, 0, 1, low_open=True)
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size must be >= 2 (advantages compare images of one prompt), got {g.group_size}")
-    _check_range("grpo.advantage.clip", g.advantage.clip, 0, low_open=True, why="advantages are clipped to ±clip")
-    _check_range("grpo.advantage.std_eps", g.advantage.std_eps, 0, low_open=True, why="a group of equal rewards")
-    _check_range("grpo.clip_range", g.clip_range, 0, 1, low_open=True, high_open=True, why="ratios clip to 1 ± ε")
-    _check_range("train.lr", t.lr, 0, low_open=True)
-    _check_range("train.eps", t.eps, 0, low_open=True)
-    _check_range("train.max_grad_norm", t.max_grad_norm, 0, low_open=True, why="gradient-norm clipping")
-    _check_range("train.ema", t.ema, 0, 1, high_open=True)
-    _check_range("train.updates_per_epoch", t.updates_per_epoch, 1, why="null: train.gradient_accumulation as given")
-    _check_range("grpo.timestep_fraction", g.timestep_fraction, 0, 1, low_open=True)
+    check_range("grpo.advantage.clip", g.advantage.clip, 0, low_open=True, why="advantages are clipped to ±clip")
+    check_range("grpo.advantage.std_eps", g.advantage.std_eps, 0, low_open=True, why="a group of equal rewards")
+    check_range("grpo.clip_range", g.clip_range, 0, 1, low_open=True, high_open=True, why="ratios clip to 1 ± ε")
+    check_range("train.lr", t.lr, 0, low_open=True)
+    check_range("train.eps", t.eps, 0, low_open=True)
+    check_range("train.max_grad_norm", t.max_grad_norm, 0, low_open=True, why="gradient-norm clipping")
+    check_range("train.ema", t.ema, 0, 1, high_open=True)
+    check_range("train.updates_per_epoch", t.updates_per_epoch, 1, why="null: train.gradient_accumulation as given")
+    check_range("grpo.timestep_fraction", g.timestep_fraction, 0, 1, low_open=True)
     if g.advantage.normalize_weights and not g.advantage.per_reward:
         raise ConfigError(
             "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the total's advantage does "
@@ -710,4 +652,4 @@ def _check_ranges(config: Config) -> None:
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")
     for i, beta in enumerate(t.betas):
-        _check_range(f"train.betas[{i}]", beta, 0, 1, high_open=True)
+        check_range(f"train.betas[{i}]", beta, 0, 1, high_open=True)

@@ -25,7 +25,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
-from ..config import check_num_frames
+from ..checks import check_num_frames
 from .base import PipelineAdapter, PromptEmbeds
 
 
