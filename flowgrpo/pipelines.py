@@ -1,15 +1,14 @@
-"""Load SD3 / SD3.5 and FLUX.1 pipelines from a hub id, a local diffusers directory, or a tiny offline build.
+"""Load a pipeline of a registered model family from a hub id, a local diffusers directory, or a tiny offline build.
 
     pipe = load_pipeline("stabilityai/stable-diffusion-3.5-medium", dtype="bf16", device="cuda")
     pipe = load_pipeline("/models/flux-dev")      # kind read from model_index.json
     pipe = load_pipeline("tiny-sd3", dtype="fp32")  # random tiny weights, no files (see flowgrpo.tiny)
     pipe = load_pipeline("shapes-sd3", dtype="fp32")  # the pretrained shapes model shipped in the package
 
-The special names ``"tiny-sd3"`` / ``"tiny-flux"`` / ``"tiny-flux-kontext"`` / ``"tiny-qwenimage"`` / ``"shapes-sd3"``
-win over a local directory of the same name. FLUX.1-Kontext (``FluxKontextPipeline``, image editing) is the kind
-``flux-kontext``; Qwen-Image (``QwenImagePipeline``, text-to-image) the kind ``qwenimage``; Wan2.1 (``WanPipeline``,
-text-to-video) the kind ``wan`` (``"tiny-wan"``); Qwen-Image-Edit (``QwenImageEditPipeline``, image editing) the kind
-``qwenimage-edit`` (``"tiny-qwenimage-edit"``).
+The kinds are the registered families (:func:`flowgrpo.adapters.registry.available_families`: ``sd3``, ``flux``,
+``flux-kontext``, ``qwenimage``, ``qwenimage-edit``, ``wan``, ...), each with its pipeline class; a source's kind is
+read from the ``_class_name`` of its ``model_index.json``. The special names ``"tiny-<kind>"`` (and
+``"tiny-<kind>-taesd"``, see :func:`tiny_sources`) and ``"shapes-sd3"`` win over a local directory of the same name.
 A component that ``model_index.json`` lists as ``[null, null]`` (an SD3 saved without T5) loads as ``None``.
 Every ``torch.nn.Module`` component comes back in eval mode (training code turns on what it trains).
 """
@@ -18,53 +17,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from diffusers import (
-    FluxKontextPipeline,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    QwenImageEditPipeline,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-    WanPipeline,
-    WanTransformer3DModel,
-)
 from diffusers.utils import deprecation_utils
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from flowgrpo.adapters.registry import available_families, families, family, family_of_class_name, family_of_pipeline
 from flowgrpo.tiny import build_tiny_pipeline
 
-PipelineKind = Literal["sd3", "flux", "flux-kontext", "qwenimage", "wan", "qwenimage-edit"]
-KINDS: tuple[str, ...] = ("sd3", "flux", "flux-kontext", "qwenimage", "wan", "qwenimage-edit")
-PIPELINE_CLASSES: dict[str, type] = {
-    "sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "flux-kontext": FluxKontextPipeline,
-    "qwenimage": QwenImagePipeline,  # text-to-image
-    "qwenimage-edit": QwenImageEditPipeline,  # image editing (Qwen-Image-Edit; not the Edit-Plus / 2509 pipeline)
-    "wan": WanPipeline,  # Wan2.1 text-to-video
-}  # fmt: skip
-# kind -> its transformer class (what a checkpoint's LoRA shapes are checked against, built from its config alone).
-TRANSFORMER_CLASSES: dict[str, type] = {
-    "sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel, "flux-kontext": FluxTransformer2DModel,
-    "qwenimage": QwenImageTransformer2DModel, "wan": WanTransformer3DModel,
-    "qwenimage-edit": QwenImageTransformer2DModel,
-}  # fmt: skip
-# model_index.json "_class_name" -> kind. Other classes (img2img, inpaint, ...) load only with an explicit kind.
-KIND_BY_CLASS_NAME: dict[str, str] = {cls.__name__: kind for kind, cls in PIPELINE_CLASSES.items()}
-# "-taesd": the tiny pipeline with a normalisation-free AutoencoderTiny (see flowgrpo.tiny.build_tiny_pipeline).
-TINY_SOURCES: dict[str, str] = {
-    "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-sd3-taesd": "sd3", "tiny-flux-taesd": "flux",
-    "tiny-flux-kontext": "flux-kontext", "tiny-flux-kontext-taesd": "flux-kontext",
-    "tiny-qwenimage": "qwenimage",  # its own AutoencoderKLQwenImage only (no -taesd)
-    "tiny-wan": "wan",  # its own AutoencoderKLWan only (no -taesd)
-    "tiny-qwenimage-edit": "qwenimage-edit",  # its own AutoencoderKLQwenImage only (no -taesd)
-}  # fmt: skip
+PipelineKind = str  # a registered family name (flowgrpo.adapters.registry.available_families())
 # Pretrained pipelines shipped inside the package (no download): name -> directory.
 SHIPPED_MODELS: dict[str, Path] = {"shapes-sd3": Path(__file__).parent / "assets" / "shapes-sd3"}
 
@@ -95,24 +60,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def tiny_sources() -> dict[str, str]:
+    """Names built in code (``flowgrpo.tiny``) -> their kind: ``tiny-<kind>`` of every family with a tiny builder, and
+    ``tiny-<kind>-taesd`` (a normalisation-free AutoencoderTiny) where its tiny build offers one."""
+    return {source: spec.name for spec in families() for source in spec.tiny_sources}
+
+
 def pipeline_kind(pipe: Any) -> PipelineKind:
-    """``"sd3"`` or ``"flux"`` for a pipeline object (by pipeline class, else by transformer class)."""
-    for kind, cls in PIPELINE_CLASSES.items():
-        if isinstance(pipe, cls):
-            return kind  # type: ignore[return-value]
-    # Sibling pipelines (img2img, inpaint, ...) share the transformer, which is what the adapters care about.
-    transformer = getattr(pipe, "transformer", None)
-    if isinstance(transformer, SD3Transformer2DModel):
-        return "sd3"
-    if isinstance(transformer, FluxTransformer2DModel):
-        return "flux"
-    raise ValueError(f"{type(pipe).__name__} is not an SD3, FLUX, Qwen-Image or Wan pipeline; supported kinds: {KINDS}")
+    """The kind of a pipeline object, by its exact class (a sibling such as ``FluxFillPipeline`` has none)."""
+    spec = family_of_pipeline(pipe)
+    if spec is None:
+        raise ValueError(f"{type(pipe).__name__} is no registered family's pipeline; supported kinds: "
+                         f"{available_families()}")  # fmt: skip
+    return spec.name
 
 
 def _check_kind(kind: str) -> str:
     kind = kind.lower()
-    if kind != "auto" and kind not in KINDS:
-        raise ValueError(f"unknown pipeline kind {kind!r}; expected 'auto' or one of {KINDS}")
+    if kind != "auto" and kind not in available_families():
+        raise ValueError(f"unknown pipeline kind {kind!r}; expected 'auto' or one of {available_families()}")
     return kind
 
 
@@ -169,16 +135,19 @@ def _absent_components(index: dict[str, Any]) -> dict[str, None]:
 def _detect(source: str) -> tuple[str | None, str | None]:
     """(kind or None if unknown, pipeline class name) of a source."""
     source = resolve_source(source)
-    if source in TINY_SOURCES:
-        return TINY_SOURCES[source], PIPELINE_CLASSES[TINY_SOURCES[source]].__name__
+    tiny = tiny_sources()
+    if source in tiny:
+        return tiny[source], family(tiny[source]).pipeline_names[0]
     class_name = read_model_index(source).get("_class_name")
-    return KIND_BY_CLASS_NAME.get(class_name), class_name
+    spec = family_of_class_name(class_name)
+    return (None if spec is None else spec.name), class_name
 
 
 def _unknown_kind_message(source: str, class_name: str | None) -> str:
     return (
         f"cannot tell the kind of {source!r}: its model_index.json names {class_name!r}, "
-        f"not one of {sorted(KIND_BY_CLASS_NAME)}; pass kind= one of {KINDS}"
+        f"not one of {sorted(name for spec in families() for name in spec.pipeline_names)}; "
+        f"pass kind= one of {available_families()}"
     )
 
 
@@ -195,11 +164,11 @@ def load_pipeline(
     kind: str = "auto",
     dtype: str | torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
-) -> StableDiffusion3Pipeline | FluxPipeline | FluxKontextPipeline | QwenImagePipeline | WanPipeline:
-    """Open a pipeline of one of ``KINDS``: a hub id, a local diffusers directory, or a tiny name (``"tiny-sd3"``, ...).
+) -> Any:
+    """Open a pipeline of a registered kind: a hub id, a local diffusers directory or a tiny name (``"tiny-sd3"``...).
 
     ``kind="auto"`` reads it from ``model_index.json``; an explicit kind must agree with it (a pipeline
-    class this module does not know, e.g. an img2img export, is loaded as the kind asked for).
+    class no family drives, e.g. an img2img export, is loaded as the kind asked for, with that family's class).
     Raises ``PipelineLoadError`` (a ``ValueError``) when the source cannot be found.
     """
     kind = _check_kind(kind)
@@ -212,14 +181,14 @@ def load_pipeline(
     elif detected is not None and detected != kind:
         raise ValueError(f"{source!r} is a {class_name} (kind {detected!r}), but kind={kind!r} was asked for")
 
-    if source in TINY_SOURCES:
+    if source in tiny_sources():
         vae = "tiny" if source.endswith("-taesd") else "kl"
-        pipe = build_tiny_pipeline(kind, seed=0, dtype=torch_dtype, vae=vae)  # type: ignore[arg-type]
+        pipe = build_tiny_pipeline(kind, seed=0, dtype=torch_dtype, vae=vae)
     else:
         source = resolve_source(source)
         absent = _absent_components(read_model_index(source))
         try:
-            pipe = PIPELINE_CLASSES[kind].from_pretrained(source, **absent, **{_DTYPE_KWARG: torch_dtype})
+            pipe = family(kind).pipeline_class.from_pretrained(source, **absent, **{_DTYPE_KWARG: torch_dtype})
         except OSError as err:  # e.g. model_index.json present but a weight file missing
             raise PipelineLoadError(_not_found_message(source, err)) from None
     pipe.to(device)
@@ -229,8 +198,21 @@ def load_pipeline(
     return pipe
 
 
+def __getattr__(name: str) -> Any:
+    """The family tables of earlier versions, derived from the registry on each access."""
+    tables = {
+        "KINDS": available_families,
+        "PIPELINE_CLASSES": lambda: {spec.name: spec.pipeline_class for spec in families()},
+        "TRANSFORMER_CLASSES": lambda: {spec.name: spec.transformer_class for spec in families()},
+        "KIND_BY_CLASS_NAME": lambda: {name: spec.name for spec in families() for name in spec.pipeline_names},
+        "TINY_SOURCES": tiny_sources,
+    }
+    if name in tables:
+        return tables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "KINDS",
     "PipelineKind",
     "PipelineLoadError",
     "detect_kind",
@@ -239,4 +221,5 @@ __all__ = [
     "pipeline_kind",
     "read_model_index",
     "resolve_source",
+    "tiny_sources",
 ]

@@ -47,7 +47,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from diffusers import (
@@ -55,17 +55,12 @@ from diffusers import (
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     AutoencoderTiny,
+    DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    FluxKontextPipeline,
-    FluxPipeline,
     FluxTransformer2DModel,
-    QwenImageEditPipeline,
-    QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
-    WanPipeline,
     WanTransformer3DModel,
 )
 from diffusers.utils import logging as diffusers_logging
@@ -88,8 +83,7 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-TinyKind = Literal["sd3", "flux", "qwenimage", "flux-kontext", "wan", "qwenimage-edit"]
-TINY_KINDS: tuple[str, ...] = ("sd3", "flux", "qwenimage", "flux-kontext", "wan", "qwenimage-edit")
+from flowgrpo.adapters.registry import families, family
 
 # CLIP BPE vocabulary: 256 byte symbols, the same 256 with "</w>", the first merges, 2 specials.
 # Truncating CLIP's ranked merge list keeps a valid BPE (each merge only uses earlier symbols).
@@ -255,6 +249,12 @@ def tiny_qwen_tokenizer(edit: bool = False) -> Qwen2Tokenizer:
     )
 
 
+def __getattr__(name: str) -> Any:
+    if name == "TINY_KINDS":  # the registered families with a tiny build, derived on each access
+        return tuple(spec.name for spec in families() if spec.tiny is not None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -338,7 +338,8 @@ def _tiny_autoencoder(latent_channels: int) -> AutoencoderTiny:
     return vae
 
 
-def _sd3_components(seed: int, vae: str = "kl") -> dict[str, object]:
+def sd3_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``sd3`` family's components (``vae``: ``kl`` or ``tiny``)."""
     tok, tok_2, tok_3 = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
     s = seed * 16  # component offsets below stay < 16, so seeds never collide across pipelines
     return {
@@ -371,7 +372,8 @@ def _sd3_components(seed: int, vae: str = "kl") -> dict[str, object]:
     }
 
 
-def _flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
+def flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``flux`` family's components, also ``flux-kontext``'s (``vae``: ``kl`` or ``tiny``)."""
     tok, tok_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     s = seed * 16
     return {
@@ -440,7 +442,9 @@ def _qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
     return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos)
 
 
-def _qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dict[str, object]:
+def qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dict[str, object]:
+    """The tiny ``qwenimage`` family's components (``edit``: ``qwenimage-edit``'s, the same transformer and VAE with a
+    text encoder that also reads the source image). ``vae``: only ``kl`` (an AutoencoderKLQwenImage)."""
     if vae != "kl":
         raise ValueError(f"the tiny {'qwenimage-edit' if edit else 'qwenimage'} pipeline has only vae='kl' (an "
                          "AutoencoderKLQwenImage)")  # fmt: skip
@@ -489,6 +493,11 @@ def _qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dic
     }
 
 
+def qwenimage_edit_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``qwenimage-edit`` family's components: :func:`qwenimage_components` with ``edit=True``."""
+    return qwenimage_components(seed, vae, edit=True)
+
+
 def _umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
     config = UMT5Config(
         vocab_size=len(tokenizer),
@@ -508,7 +517,8 @@ def _umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
     return UMT5EncoderModel(config)
 
 
-def _wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
+def wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``wan`` family's components. ``vae``: only ``kl`` (an AutoencoderKLWan)."""
     if vae != "kl":
         raise ValueError("the tiny wan pipeline has only vae='kl' (an AutoencoderKLWan)")
     tok = tiny_t5_tokenizer()
@@ -557,31 +567,24 @@ def _wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
 
 
 def build_tiny_pipeline(
-    kind: TinyKind, seed: int = 0, dtype: torch.dtype = torch.float32, vae: Literal["kl", "tiny"] = "kl"
-) -> StableDiffusion3Pipeline | FluxPipeline | QwenImagePipeline | WanPipeline:
-    """A tiny random-weight SD3, FLUX or Qwen-Image pipeline on CPU, in eval mode; same seed -> same weights.
+    kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, vae: Literal["kl", "tiny"] = "kl"
+) -> DiffusionPipeline:
+    """A tiny random-weight pipeline of a registered family on CPU, in eval mode; same seed -> same weights.
 
-    vae: ``kl`` — an AutoencoderKL with the real model's scaling/shift factors (default; Qwen-Image: an
-    AutoencoderKLQwenImage, its only choice); ``tiny`` — a TAESD-style AutoencoderTiny without normalisation
-    layers, on which image-level rewards (brightness) respond to the policy: the CPU learning tests and the
-    README's main job use it.
+    The family's spec gives the components (its ``tiny`` builder) and the pipeline class (its first).
+    vae: ``kl`` — an AutoencoderKL with the real model's scaling/shift factors (default; Qwen-Image / Wan: their own
+    VAE type, the only choice); ``tiny`` — a TAESD-style AutoencoderTiny without normalisation layers, on which
+    image-level rewards (brightness) respond to the policy: the CPU learning tests and the README's main job use it.
     """
     if vae not in ("kl", "tiny"):
         raise ValueError(f"tiny pipeline vae must be 'kl' or 'tiny', got {vae!r}")
-    if kind == "sd3":
-        pipe = StableDiffusion3Pipeline(**_sd3_components(seed, vae))
-    elif kind == "flux":
-        pipe = FluxPipeline(**_flux_components(seed, vae))
-    elif kind == "flux-kontext":  # the FLUX components (same seed -> same weights) in the editing pipeline
-        pipe = FluxKontextPipeline(**_flux_components(seed, vae))
-    elif kind == "qwenimage":
-        pipe = QwenImagePipeline(**_qwenimage_components(seed, vae))
-    elif kind == "qwenimage-edit":  # qwenimage's transformer and VAE (same seed), a text encoder reading images
-        pipe = QwenImageEditPipeline(**_qwenimage_components(seed, vae, edit=True))
-    elif kind == "wan":
-        pipe = WanPipeline(**_wan_components(seed, vae))
-    else:
-        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {TINY_KINDS}")
+    tiny_kinds = tuple(spec.name for spec in families() if spec.tiny is not None)
+    if kind not in tiny_kinds:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; expected one of {tiny_kinds}")
+    spec = family(kind)
+    if vae not in spec.tiny_vaes:
+        raise ValueError(f"the tiny {kind} pipeline has only vae={' or '.join(map(repr, spec.tiny_vaes))}")
+    pipe = spec.pipeline_class(**spec.tiny_builder(seed, vae))
     if dtype != torch.float32:
         # diffusers 0.42 logs "modules that should be kept in float32: []" on every ModelMixin.to(dtype),
         # even when there are none; silence that one spurious warning.

@@ -1,7 +1,14 @@
-"""Model adapters: one small class per model family behind one interface (``PipelineAdapter``)."""
+"""Model adapters: one small class per model family behind one interface (``PipelineAdapter``).
+
+Each module here that defines a family registers its :class:`~flowgrpo.adapters.registry.FamilySpec` at its bottom;
+importing this package imports every module in it, so a new family is one new file (nothing else is edited).
+:func:`make_adapter` picks the adapter by the pipeline's exact class.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 import torch
@@ -11,14 +18,27 @@ from .flux import FluxAdapter
 from .kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter
+from .registry import (
+    FamilySpec,
+    available_families,
+    families,
+    family,
+    family_of_pipeline,
+    register_family,
+    unregister_family,
+    unsupported_pipeline_message,
+)
 from .sd3 import SD3Adapter
 from .wan import WanAdapter
 
-ADAPTERS: dict[str, type[PipelineAdapter]] = {"sd3": SD3Adapter, "flux": FluxAdapter}
-ADAPTERS["flux-kontext"] = FluxKontextAdapter  # image editing: FLUX.1 + a source image per prompt
-ADAPTERS["qwenimage"] = QwenImageAdapter  # text-to-image only (QwenImagePipeline)
-ADAPTERS["qwenimage-edit"] = QwenImageEditAdapter  # image editing (QwenImageEditPipeline): a source image per prompt
-ADAPTERS["wan"] = WanAdapter  # text-to-video (WanPipeline, Wan2.1): latents and samples gain a frame axis
+for _module in pkgutil.iter_modules(__path__):  # every family module registers its spec when imported
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ADAPTERS":  # family name -> adapter class, derived from the registry on each access
+        return {spec.name: spec.adapter for spec in families()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> PipelineAdapter:
@@ -42,37 +62,23 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
 
 
 def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
-    """The adapter for a loaded diffusers pipeline (kind from its class)."""
-    name = type(pipe).__name__
-    if name == "WanPipeline":
-        return WanAdapter(pipe, **kwargs)
-    if name.startswith("Wan"):  # image-to-video, VACE, video-to-video, animate: they need their input images
-        raise ValueError(f"{name} is not supported yet: the wan adapter drives the text-to-video WanPipeline only")
-    if kwargs.pop("num_frames", None) is not None:
-        raise ValueError(f"model.num_frames is for video pipelines (WanPipeline), but {name} generates images: "
-                         "set model.num_frames: null")  # fmt: skip
-    if name == "QwenImagePipeline":
-        return QwenImageAdapter(pipe, **kwargs)
-    if name == "QwenImageEditPipeline":
-        return QwenImageEditAdapter(pipe, **kwargs)
-    if name.startswith("QwenImage"):  # Edit-Plus / inpainting / ControlNet / layered siblings: their own inputs
-        raise ValueError(
-            f"{name} is not supported yet: the qwenimage adapters drive QwenImagePipeline (text-to-image, "
-            "model.kind=qwenimage) and QwenImageEditPipeline (one source image per prompt, model.kind=qwenimage-edit)"
-        )
-    if name.startswith("StableDiffusion3"):
-        return SD3Adapter(pipe, **kwargs)
-    if name.startswith("FluxKontext"):  # before FluxAdapter: the source image tokens are Kontext's own
-        return FluxKontextAdapter(pipe, **kwargs)
-    if name.startswith("Flux"):
-        return FluxAdapter(pipe, **kwargs)
-    supported = ("StableDiffusion3Pipeline, FluxPipeline, FluxKontextPipeline, QwenImagePipeline, "
-                 "QwenImageEditPipeline and WanPipeline")  # fmt: skip
-    raise ValueError(f"no adapter for {name}: supported pipelines are {supported}")
+    """The adapter for a loaded diffusers pipeline, by its exact class (:func:`registry.family_of_pipeline`).
+
+    A subclass or sibling of a supported pipeline (e.g. ``FluxFillPipeline``, ``FluxControlPipeline``,
+    ``FluxKontextInpaintPipeline``, ``Flux2Pipeline``, ``WanImageToVideoPipeline``) is refused with the list of
+    supported classes; ``num_frames`` is refused for an image family (None is dropped)."""
+    spec = family_of_pipeline(pipe)
+    if spec is None:
+        raise ValueError(unsupported_pipeline_message(pipe))
+    if not spec.video and kwargs.pop("num_frames", None) is not None:
+        videos = ", ".join(name for s in families() if s.video for name in s.pipeline_names)
+        raise ValueError(f"model.num_frames is for video pipelines ({videos}), but {type(pipe).__name__} generates "
+                         "images: set model.num_frames: null")  # fmt: skip
+    return spec.adapter(pipe, **kwargs)
 
 
 __all__ = [
-    "ADAPTERS", "FluxAdapter", "FluxKontextAdapter", "PipelineAdapter", "PromptEmbeds", "QwenImageAdapter",
-    "QwenImageEditAdapter",
-    "SD3Adapter", "WanAdapter", "build_adapter", "make_adapter", "unwrap",
+    "FamilySpec", "FluxAdapter", "FluxKontextAdapter", "PipelineAdapter", "PromptEmbeds",
+    "QwenImageAdapter", "QwenImageEditAdapter", "SD3Adapter", "WanAdapter", "available_families", "build_adapter",
+    "family", "family_of_pipeline", "make_adapter", "register_family", "unregister_family", "unwrap",
 ]  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .base import PipelineAdapter, PromptEmbeds
+from .registry import FamilySpec, register_family
 
 
 class FluxAdapter(PipelineAdapter):
@@ -91,3 +92,17 @@ class FluxAdapter(PipelineAdapter):
 
     def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
         return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+
+
+# FLUX.1 text-to-image only: FluxFill / FluxControl / FluxImg2Img / FluxInpaint feed other inputs, and FLUX.2
+# (Flux2Pipeline) is another model; each is refused by make_adapter.
+SPEC = register_family(
+    FamilySpec(
+        name="flux",
+        pipelines=("FluxPipeline",),
+        transformer="FluxTransformer2DModel",
+        adapter=FluxAdapter,
+        tiny="flowgrpo.tiny:flux_components",
+        tiny_vaes=("kl", "tiny"),
+    )
+)

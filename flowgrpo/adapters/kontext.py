@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .base import PromptEmbeds
 from .flux import FluxAdapter
+from .registry import FamilySpec, register_family
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -59,3 +60,16 @@ class FluxKontextAdapter(FluxAdapter):
             ids[..., 0] = 1
             self._source_image_ids[length] = ids
         return self._source_image_ids[length]
+
+
+# FluxKontextInpaintPipeline also concatenates mask latents, which this adapter never builds: refused.
+SPEC = register_family(
+    FamilySpec(
+        name="flux-kontext",
+        pipelines=("FluxKontextPipeline",),
+        transformer="FluxTransformer2DModel",
+        adapter=FluxKontextAdapter,
+        tiny="flowgrpo.tiny:flux_components",  # the FLUX components (same seed, same weights) in the editing pipeline
+        tiny_vaes=("kl", "tiny"),
+    )
+)

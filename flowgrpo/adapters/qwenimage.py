@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import Tensor
 
 from .base import PipelineAdapter, PromptEmbeds
+from .registry import FamilySpec, register_family
 
 
 class QwenImageAdapter(PipelineAdapter):
@@ -170,6 +170,8 @@ class QwenImageAdapter(PipelineAdapter):
             return super().schedule(num_steps, height, width, time_shift=time_shift)
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift  # imported on use: heavy
+
         config = self.scheduler.config
         mu = calculate_shift(
             self.image_seq_len(height, width),
@@ -208,3 +210,14 @@ def _pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
         for row in rows
     ]).to(embeds.device)  # fmt: skip
     return embeds, mask
+
+
+SPEC = register_family(
+    FamilySpec(
+        name="qwenimage",
+        pipelines=("QwenImagePipeline",),  # text-to-image; the Edit-Plus / inpaint / ControlNet / layered siblings: no
+        transformer="QwenImageTransformer2DModel",
+        adapter=QwenImageAdapter,
+        tiny="flowgrpo.tiny:qwenimage_components",  # its own AutoencoderKLQwenImage only (no -taesd)
+    )
+)

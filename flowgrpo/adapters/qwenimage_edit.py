@@ -28,12 +28,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
 from torch import Tensor
 
 from .base import PromptEmbeds
 from .qwenimage import QwenImageAdapter, _pad_rows
+from .registry import FamilySpec, register_family
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
@@ -55,6 +55,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def source_size(height: int, width: int) -> tuple[int, int]:
         """``(h, w)`` of the source for a ``height`` x ``width`` output: ``calculate_dimensions(height · width,
         width / height)`` (Flow-GRPO's sizing; multiples of 32 near the output size)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions  # heavy: on use
+
         w, h, _ = calculate_dimensions(height * width, width / height)
         return int(h), int(w)
 
@@ -154,3 +156,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
         f = self.pipe.vae_scale_factor * 2
         h, w = embeds.source_images.shape[-2:]  # the source's size as the model saw it (rows, columns of 2x2 patches)
         return torch.cat([hidden, source], dim=1), [[*s, (1, h // f, w // f)] for s in shapes]
+
+
+SPEC = register_family(
+    FamilySpec(
+        name="qwenimage-edit",
+        pipelines=("QwenImageEditPipeline",),  # not the Edit-Plus (2509) pipeline, which takes several images
+        transformer="QwenImageTransformer2DModel",
+        adapter=QwenImageEditAdapter,
+        tiny="flowgrpo.tiny:qwenimage_edit_components",
+    )
+)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .base import PipelineAdapter, PromptEmbeds
+from .registry import FamilySpec, register_family
 
 
 class SD3Adapter(PipelineAdapter):
@@ -76,3 +77,15 @@ class SD3Adapter(PipelineAdapter):
 
     def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
         return latents
+
+
+SPEC = register_family(
+    FamilySpec(
+        name="sd3",
+        pipelines=("StableDiffusion3Pipeline",),
+        transformer="SD3Transformer2DModel",
+        adapter=SD3Adapter,
+        tiny="flowgrpo.tiny:sd3_components",
+        tiny_vaes=("kl", "tiny"),
+    )
+)

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
 from ..checks import check_num_frames
 from .base import PipelineAdapter, PromptEmbeds
+from .registry import FamilySpec, register_family
 
 
 class WanAdapter(PipelineAdapter):
@@ -154,6 +154,8 @@ class WanAdapter(PipelineAdapter):
         """FlowMatchEulerDiscreteScheduler: exactly as ``pipe(num_inference_steps=num_steps)`` sets it (static shift).
         A scheduler with flow sigmas (the hub's UniPCMultistepScheduler, ``use_flow_sigmas``): its sigmas and its
         timesteps for ``num_steps``, integrated with this project's Euler-type steps (Flow-GRPO's Wan recipe)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler  # imported on use: importing diffusers takes seconds
+
         if time_shift is not None or isinstance(self.scheduler, FlowMatchEulerDiscreteScheduler):
             return super().schedule(num_steps, height, width, time_shift=time_shift)
         if not self.scheduler.config.get("use_flow_sigmas", False):
@@ -192,3 +194,15 @@ class WanAdapter(PipelineAdapter):
         latents = latents / inverse_std + mean  # the pipeline's own expression (bit for bit)
         video = self.vae.decode(latents, return_dict=False)[0]
         return self.pipe.video_processor.postprocess_video(video, output_type="pt").float()
+
+
+SPEC = register_family(
+    FamilySpec(
+        name="wan",
+        pipelines=("WanPipeline",),  # Wan2.1 text-to-video; image-to-video, VACE, video-to-video: their own inputs
+        transformer="WanTransformer3DModel",
+        adapter=WanAdapter,
+        tiny="flowgrpo.tiny:wan_components",  # its own AutoencoderKLWan only (no -taesd)
+        video=True,
+    )
+)
