@@ -20,6 +20,7 @@ import yaml
 
 from samplers import DIFFUSIONS, KL_CONVENTIONS, LOG_PROBS, SDE_KINDS, SOLVERS, STRATEGIES
 
+from .adapters.registry import FamilyNames, available_families
 from .checks import ConfigError, check_num_frames, check_range, one_of
 
 
@@ -460,7 +461,7 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
 def validate(config: Config, world_size: int = 1) -> None:
     """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes."""
     s, g, t = config.sampler, config.grpo, config.train
-    kinds = ("auto", "sd3", "flux", "flux-kontext", "qwenimage", "qwenimage-edit", "wan")
+    kinds = ("auto", *available_families())  # the registered model families (flowgrpo/adapters/<family>.py)
     one_of("model.kind", config.model.kind, kinds)
     if config.model.num_frames is not None:
         if config.model.kind not in ("auto", *VIDEO_KINDS):
@@ -532,7 +533,7 @@ def validate(config: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
 
 
-VIDEO_KINDS = ("wan",)  # model kinds that generate clips (model.num_frames)
+VIDEO_KINDS = FamilyNames(video=True)  # model kinds that generate clips (model.num_frames), from the registry
 # diffusers.optimization.get_scheduler's names that need nothing but warmup and total steps (piecewise_constant
 # takes step rules: not offered).
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
