@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .adapters import ADAPTERS, PipelineAdapter, build_adapter
+from .adapters import PipelineAdapter, build_adapter, family
 from .checkpoint import CheckpointError, check_model_matches, load_adapter_weights, read_weights
 from .config import Config, load_config
-from .pipelines import PIPELINE_CLASSES, TINY_SOURCES, TRANSFORMER_CLASSES, detect_kind, load_pipeline, resolve_source
+from .pipelines import detect_kind, load_pipeline, resolve_source, tiny_sources
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 Shapes = dict[str, tuple[int, ...]]
@@ -100,17 +100,19 @@ def expected_lora_shapes(config: Config) -> Shapes:
 
     kind = model_kind(config)
     source = config.model.pretrained
-    if source in TINY_SOURCES:  # built in code, and small
+    tiny = source in tiny_sources()
+    if tiny:  # built in code, and small
         from .tiny import build_tiny_pipeline
 
-        transformer = build_tiny_pipeline(kind).transformer  # type: ignore[arg-type]
+        transformer = build_tiny_pipeline(kind).transformer
     with init_empty_weights():  # parameters on the meta device: shapes without memory
-        if source not in TINY_SOURCES:
+        if not tiny:
             transformer = _empty_transformer(resolve_source(source), kind)
         lora = config.model.lora
-        targets = ADAPTERS[kind].default_lora_targets if lora.target_modules == "default" else lora.target_modules
+        adapter = family(kind).adapter
+        targets = adapter.default_lora_targets if lora.target_modules == "default" else lora.target_modules
         try:
-            exclude = ADAPTERS[kind].lora_exclude(transformer) or None  # as PipelineAdapter.add_lora
+            exclude = adapter.lora_exclude(transformer) or None  # as PipelineAdapter.add_lora
             transformer.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets),
                                                exclude_modules=exclude))  # fmt: skip
         except ValueError as err:
@@ -121,7 +123,7 @@ def expected_lora_shapes(config: Config) -> Shapes:
 
 def _empty_transformer(source: str, kind: str) -> Any:
     """The transformer of a local directory or hub id, built from its config (call under ``init_empty_weights``)."""
-    cls = TRANSFORMER_CLASSES[kind]
+    cls = family(kind).transformer_class
     try:
         return cls.from_config(cls.load_config(source, subfolder="transformer"))
     except (OSError, ValueError) as err:
@@ -179,7 +181,7 @@ def protected_dirs(config: Config) -> list[Path]:
 
     dirs = [Path(constants.HF_HUB_CACHE)]
     base = Path(resolve_source(config.model.pretrained)).expanduser()
-    if config.model.pretrained not in TINY_SOURCES and base.is_dir():
+    if config.model.pretrained not in tiny_sources() and base.is_dir():
         dirs.append(base)
     return dirs
 
@@ -291,7 +293,7 @@ def save_diffusers_lora(config: Config, checkpoint: Path, out: Path, *, ema: boo
         # name exactly those modules instead (PipelineAdapter.lora_exclude).
         metadata["target_modules"] = sorted({key.rsplit(".lora_", 1)[0] for key in weights})
         metadata["exclude_modules"] = None
-    PIPELINE_CLASSES[model_kind(config)].save_lora_weights(
+    family(model_kind(config)).pipeline_class.save_lora_weights(
         str(out), transformer_lora_layers=weights,
         transformer_lora_adapter_metadata=metadata, weight_name=LORA_FILE,
     )  # fmt: skip
