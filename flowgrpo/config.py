@@ -21,7 +21,10 @@ import yaml
 from samplers import DIFFUSIONS, KL_CONVENTIONS, LOG_PROBS, SDE_KINDS, SOLVERS, STRATEGIES
 
 from .adapters.registry import FamilyNames, available_families
+from .advantages import available_advantage_estimators
 from .checks import ConfigError, check_num_frames, check_range, one_of
+from .objectives import get_objective, objective_sections
+from .rollouts import get_rollout
 
 
 @dataclass
@@ -119,6 +122,7 @@ class SamplerConfig:
         steps into t_next = 0 are deterministic (std 0), i.e. the ODE step.
     """
 
+    rollout: str = "chain"  # how an epoch's samples are produced (flowgrpo.rollouts): chain = one chain per image
     kind: str = "euler_maruyama"
     diffusion: str = "flowgrpo"
     score_eval: str = "frozen"
@@ -151,12 +155,13 @@ class DataConfig:
 
 @dataclass
 class AdvantageConfig:
-    """``grpo.advantage:`` A = (R - mean_group) / (std + std_eps), clipped."""
+    """``grpo.advantage:`` which estimator turns the epoch's rewards into advantages (flowgrpo.advantages), and its
+    settings. The built-in estimators compute A = (R - mean_group) / (std + std_eps), clipped to ±clip."""
 
-    std: str = "group"  # group: unbiased std of the group (DanceGRPO, MixGRPO) | global: population std of all the
-    #                     epoch's rewards (np.std, Flow-GRPO's global_std=True)
+    estimator: str = "group"  # group: unbiased std of the group (DanceGRPO, MixGRPO) | global_std: population std of
+    #                           all the epoch's rewards (np.std, Flow-GRPO's global_std=True) | per_reward: advantages
+    #                           per reward, summed with the reward weights (MixGRPO) | any registered estimator
     clip: float = 5.0  # > 0: advantages are clipped to ±clip
-    per_reward: bool = False  # MixGRPO: advantages per reward, summed with the reward weights
     normalize_weights: bool = False  # per_reward: weights divided by their sum first (MixGRPO); else summed as given
     std_eps: float = 1.0e-4  # A = (R - mean) / (std + std_eps): Flow-GRPO 1e-4, DanceGRPO / MixGRPO 1e-8
 
@@ -170,28 +175,9 @@ class KLConfig:
 
 
 @dataclass
-class AWMConfig:
-    """``grpo.awm:`` how the forward-process objectives (``grpo.objective: awm | nft``, see flowgrpo.awm) noise the
-    final samples: terms per sample, the σ distribution, and which velocity is fitted."""
-
-    timesteps: int = 1  # loss terms per sample and pass: each a fresh noise level σ and noise ε
-    logit_mean: float = 0.0  # σ = sigmoid(N(logit_mean, logit_std²)): SD3's logit-normal pretraining distribution
-    logit_std: float = 1.0
-    time_shift: float = 1.0  # then σ <- s·σ / (1 + (s - 1)·σ), the shift the model samples with (SD3.5: 3; shapes: 1)
-    cfg: bool = False  # CFG families: fit the guided velocity (sampler.guidance_scale, as sampled), not the conditional
-
-
-@dataclass
-class NFTConfig:
-    """``grpo.nft:`` negative-aware fine-tuning (``grpo.objective: nft``, see flowgrpo.nft); σ, ε as ``grpo.awm``."""
-
-    beta: float = 1.0  # β of the implicit policies v± = v_old ± β (v_θ - v_old): the trust region (DiffusionNFT: 1)
-    adv_clip_max: float = 5.0  # c: advantages clipped to ±c, r = A / 2c + 1/2 (DiffusionNFT: 5)
-
-
-@dataclass
 class GRPOConfig:
-    """``grpo:`` groups and the objective (Flow-GRPO's clipped ratio, or advantage-weighted matching)."""
+    """``grpo:`` groups, advantages and the objective. Each registered objective with settings adds its section,
+    ``grpo.<name>`` (``grpo.awm``, ``grpo.nft``: see flowgrpo.objectives), built from its ``config_class``."""
 
     group_size: int = 24  # images per prompt (k)
     groups_per_epoch: int = 48  # prompts per epoch, over all processes
@@ -207,11 +193,14 @@ class GRPOConfig:
     #                                    kept count to a multiple of it)
     nan_policy: str = "error"  # non-finite rewards: error | drop (the affected groups get advantage 0)
     objective: str = "clipped"  # clipped: the ratio of the stored SDE steps' log-probs (Flow-GRPO eq. 8) | awm: the
-    #                             flow-matching loss on each final sample, weighted by its advantage (flowgrpo.awm;
-    #                             ODE rollouts: sampler.noise_level 0)
-    #                             | nft: DiffusionNFT's negative-aware loss on the same noised samples (flowgrpo.nft)
-    awm: AWMConfig = field(default_factory=AWMConfig)
-    nft: NFTConfig = field(default_factory=NFTConfig)
+    #                             flow-matching loss on each final sample, weighted by its advantage (ODE rollouts:
+    #                             sampler.noise_level 0) | nft: DiffusionNFT's negative-aware loss on the same noised
+    #                             samples | any registered objective (flowgrpo.objectives)
+
+    def __post_init__(self) -> None:
+        # The registered objectives' sections, at their defaults unless the config gave them (see _build).
+        for name, section in _grpo_sections().items():
+            self.__dict__.setdefault(name, section())
 
 
 @dataclass
@@ -274,7 +263,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["grpo"].update({name: dataclasses.asdict(getattr(self.grpo, name)) for name in _grpo_sections()})
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -349,11 +340,21 @@ def _type_name(tp: Any) -> str:
     )
 
 
+def _grpo_sections() -> dict[str, type]:
+    """``grpo.<name>``: the settings class of every registered objective that has one."""
+    sections = objective_sections()
+    clash = sorted(set(sections) & {f.name for f in dataclasses.fields(GRPOConfig)})
+    if clash:
+        raise ConfigError(f"objective {clash[0]!r} cannot have a settings section: grpo.{clash[0]} is a grpo key")
+    return sections
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
-    types_ = _field_types(cls)
-    kwargs = {}
+    sections = _grpo_sections() if cls is GRPOConfig else {}
+    types_ = {**_field_types(cls), **sections}
+    kwargs, built_sections = {}, {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in types_:
@@ -361,8 +362,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
             hint = f"; did you mean '{(path + '.') if path else ''}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{full}'{hint} (valid keys here: {', '.join(types_)})")
         tp = types_[key]
-        kwargs[key] = _build(tp, value, full) if _is_dataclass_type(tp) else _check_value(full, value, tp)
-    return cls(**kwargs)
+        target = built_sections if key in sections else kwargs
+        target[key] = _build(tp, value, full) if _is_dataclass_type(tp) else _check_value(full, value, tp)
+    built = cls(**kwargs)
+    built.__dict__.update(built_sections)
+    return built
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -402,6 +406,29 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return nested
 
 
+def _renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Keys that were renamed, in a config file, an override or an older run's config.yaml, read as the new ones:
+    ``grpo.advantage.std: global`` is ``estimator: global_std``, ``per_reward: true`` is ``estimator: per_reward``."""
+    grpo = data.get("grpo")
+    advantage = grpo.get("advantage") if isinstance(grpo, dict) else None
+    if not isinstance(advantage, dict) or not ({"std", "per_reward"} & set(advantage)):
+        return data
+    advantage = dict(advantage)
+    std, per = advantage.pop("std", "group"), advantage.pop("per_reward", False)
+    one_of("grpo.advantage.std (now grpo.advantage.estimator)", std, ("group", "global"))
+    if not isinstance(per, bool):
+        raise ConfigError(f"grpo.advantage.per_reward: expected true or false, got {per!r}")
+    if per and std == "global":
+        raise ConfigError("grpo.advantage.per_reward=true with std=global is not an estimator; per-reward advantages "
+                          "use each group's std: set grpo.advantage.estimator: per_reward (and drop std)")  # fmt: skip
+    implied = "per_reward" if per else ("global_std" if std == "global" else "group")
+    given = advantage.setdefault("estimator", implied)
+    if given != implied:
+        raise ConfigError(f"grpo.advantage.estimator={given} contradicts the older keys std={std} / "
+                          f"per_reward={str(per).lower()} (they mean estimator: {implied}); remove std and per_reward")
+    return {**data, "grpo": {**grpo, "advantage": advantage}}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML preset, apply ``key=value`` overrides, build and validate the config."""
     data: dict[str, Any] = {}
@@ -420,7 +447,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     data = _merge(data, parse_overrides(overrides or []))
-    config = _build(Config, data, "")
+    config = _build(Config, _renamed_keys(data), "")
     validate(config)
     return config
 
@@ -480,13 +507,14 @@ def validate(config: Config, world_size: int = 1) -> None:
     # Sampler options that reproduce published recipes: time_shift, last_step, log_prob, window.per_batch /
     # end_margin, post_window.carry_history (choices, ranges and the combinations they need).
     _check_recipe_sampler(s)
-    one_of("grpo.advantage.std", g.advantage.std, ("group", "global"))
+    one_of("grpo.advantage.estimator", g.advantage.estimator, available_advantage_estimators())
     one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
     one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
     one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
-    one_of("grpo.objective", g.objective, ("clipped", "awm", "nft"))
-    if g.objective in ("awm", "nft"):
-        _check_awm(config)
+    objective = get_objective(g.objective)
+    _check_other_sections(config)
+    objective.validate(config)
+    get_rollout(s.rollout).validate(config)
     one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
     one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
@@ -551,27 +579,23 @@ def micro_batches_per_pass(config: Config, world_size: int) -> int:
     return config.grpo.group_size * config.grpo.groups_per_epoch // world_size // config.train.batch_size
 
 
-def _check_awm(config: Config) -> None:
-    """``grpo.objective: awm | nft`` train on the final samples: settings of the transitions' ratio do not apply."""
-    s, g = config.sampler, config.grpo
-    name = g.objective
-    fixes = {
-        "sampler.noise_level": (s.noise_level, 0.0, f"{name} needs no log-probs, so the rollout is the plain ODE"),
-        "sampler.same_initial_noise": (s.same_initial_noise, False, "under the ODE a group's images would be equal"),
-        "sampler.post_window.solver": (s.post_window.solver, "euler", "it would replace the whole ODE rollout"),
-        "sampler.last_step": (s.last_step, "ode", "there is no SDE step"),
-        "grpo.timestep_fraction": (g.timestep_fraction, 1.0, f"{name} trains grpo.awm.timesteps σ per sample"),
-    }
-    for key, (value, wanted, why) in fixes.items():
-        if value != wanted:
-            now, fix = (str(v).lower() if isinstance(v, bool) else v for v in (value, wanted))  # YAML's spelling
-            raise ConfigError(f"grpo.objective={name}: {key}={now} does not apply ({why}); set {key}: {fix}")
-    check_range("grpo.awm.timesteps", g.awm.timesteps, 1)
-    check_range("grpo.awm.logit_std", g.awm.logit_std, 0, low_open=True)
-    check_range("grpo.awm.time_shift", g.awm.time_shift, 0, low_open=True)
-    if name == "nft":
-        check_range("grpo.nft.beta", g.nft.beta, 0, low_open=True)
-        check_range("grpo.nft.adv_clip_max", g.nft.adv_clip_max, 0, low_open=True)
+def _check_other_sections(config: Config) -> None:
+    """A setting in another objective's section does nothing: refuse it, naming the active objective's key if it
+    has one (``grpo.awm.timesteps`` under nft: did you mean ``grpo.nft.timesteps``?)."""
+    g = config.grpo
+    active = getattr(g, g.objective, None)
+    for name, section in _grpo_sections().items():
+        if name == g.objective:
+            continue
+        given, default = dataclasses.asdict(getattr(g, name)), dataclasses.asdict(section())
+        for key, value in given.items():
+            if value == default.get(key):
+                continue
+            shown = str(value).lower() if isinstance(value, bool) else value
+            hint = (f"did you mean grpo.{g.objective}.{key}?" if active is not None and hasattr(active, key)
+                    else f"remove it, or set grpo.objective: {name}")  # fmt: skip
+            raise ConfigError(f"grpo.{name}.{key}={shown} is a setting of grpo.objective={name}, but grpo.objective="
+                              f"{g.objective}; {hint}")  # fmt: skip
 
 
 def _check_ranges(config: Config) -> None:
@@ -641,10 +665,10 @@ def _check_ranges(config: Config) -> None:
     check_range("train.ema", t.ema, 0, 1, high_open=True)
     check_range("train.updates_per_epoch", t.updates_per_epoch, 1, why="null: train.gradient_accumulation as given")
     check_range("grpo.timestep_fraction", g.timestep_fraction, 0, 1, low_open=True)
-    if g.advantage.normalize_weights and not g.advantage.per_reward:
+    if g.advantage.normalize_weights and g.advantage.estimator != "per_reward":
         raise ConfigError(
             "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the total's advantage does "
-            "not depend on the weights' scale); set grpo.advantage.per_reward: true or normalize_weights: false"
+            "not depend on the weights' scale); set grpo.advantage.estimator: per_reward or normalize_weights: false"
         )
     if (t.ema_warmup or config.eval.use_ema or t.ema_update_every != 1) and t.ema == 0:
         key = ("train.ema_warmup" if t.ema_warmup else "eval.use_ema" if config.eval.use_ema

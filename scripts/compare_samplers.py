@@ -57,7 +57,7 @@ def calls_per_image(config) -> tuple[float, float]:
     """
     import torch
 
-    from flowgrpo.trainer import make_window
+    from flowgrpo.rollouts import make_window
     from samplers import compress_schedule, mixgrpo_tail_schedule, static_shift_schedule
 
     sampler = config.sampler

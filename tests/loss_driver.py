@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-import flowgrpo.trainer as trainer_module
+import flowgrpo.objectives.clipped as clipped_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def install() -> None:
     mode, _, calls = spec.partition(":")
     chosen = {int(c) for c in calls.split(",")}
     factor = {"nan": float("nan"), "zero": 0.0}[mode]
-    real_loss = trainer_module.grpo_loss
+    real_loss = clipped_module.grpo_loss
     count = 0
 
     def altered_loss(*args, **kwargs):
@@ -32,7 +32,7 @@ def install() -> None:
         loss, stats = real_loss(*args, **kwargs)
         return (loss * factor, stats) if count in chosen else (loss, stats)
 
-    trainer_module.grpo_loss = altered_loss
+    clipped_module.grpo_loss = altered_loss
 
 
 def run_training() -> None:

@@ -11,9 +11,10 @@ import torch
 import yaml
 
 from flowgrpo.adapters import make_adapter
-from flowgrpo.awm import awm_loss
 from flowgrpo.checkpoint import CONFIG_FILE, recipe_changes
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
+from flowgrpo.objectives import MicroBatch
+from flowgrpo.objectives.awm import AWM as AWMObjective
 from flowgrpo.rollout import rollout
 from flowgrpo.tiny import build_tiny_pipeline
 from flowgrpo.trainer import GRPOTrainer
@@ -38,6 +39,11 @@ def _with_lora(adapter):
     return adapter
 
 
+def awm_loss(adapter, cfg, sub, positions, advantages, generator=None):
+    """One term of the awm objective on a micro-batch (positions: unused by awm, as the trainer passes them)."""
+    return AWMObjective(cfg).loss(adapter, MicroBatch(sub, advantages, positions, generator))
+
+
 def _setup(kind="sd3", guidance=4.5):
     adapter = _with_lora(make_adapter(build_tiny_pipeline(kind, seed=0)))
     sampler = SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=guidance)
@@ -47,7 +53,7 @@ def _setup(kind="sd3", guidance=4.5):
 
 
 def _draws(x0, seed=7):
-    """σ and ε as flowgrpo.awm draws them for logit_mean 0.3, logit_std 0.7, time_shift 3: σ = sigmoid(0.3 + 0.7 z)
+    """σ and ε as flowgrpo.objectives.forward draws them for logit_mean 0.3, logit_std 0.7, time_shift 3: σ = sigmoid(0.3 + 0.7 z)
     shifted by the SD3 scheduler's formula, then ε."""
     g = torch.Generator().manual_seed(seed)
     sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(len(x0), generator=g))
@@ -77,7 +83,7 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
     expected = (advantages * per_sample).mean()
     # Same process, same tensors, same kernels: only the order of the final reductions may differ (a few ulp).
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=0)
-    assert stats.ratio_mean == 1 and stats.clip_fraction == 0 and stats.kl == 0
+    assert set(stats) == {"loss", "policy_loss", "kl"} and stats["kl"] == 0
     zero, _ = awm_loss(adapter, cfg, traj, torch.zeros(4, dtype=torch.long), torch.zeros(4))
     assert zero.item() == 0.0
 
@@ -91,7 +97,7 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
     adapter.transformer.enable_adapters()
     kl = ((v - v_ref) ** 2).mean()
     assert kl > 0
-    torch.testing.assert_close(stats.kl, kl, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats["kl"], kl, rtol=1e-6, atol=0)
     torch.testing.assert_close(loss.detach(), expected + 0.5 * kl, rtol=1e-6, atol=0)
 
 
@@ -167,7 +173,7 @@ def test_awm_trains_every_lora_weight_of_the_other_families(kind):
     loss, stats = awm_loss(adapter, _config("grpo.kl.beta=0.5"), traj, torch.zeros(2, dtype=torch.long),
                            torch.tensor([1.0, -1.0]), torch.Generator().manual_seed(0))  # fmt: skip
     loss.backward()
-    assert torch.isfinite(loss) and stats.kl > 0
+    assert torch.isfinite(loss) and stats["kl"] > 0
     trained = [(n, p) for n, p in adapter.transformer.named_parameters() if p.requires_grad]
     idle = [n for n, p in trained if p.grad is None or p.grad.abs().sum() == 0]
     # Qwen-Image's last block: its text stream's query feeds nothing the output reads (so also under the clipped loss).

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowgrpo.advantages import compute_advantages, group_advantages
-from flowgrpo.config import Config, ConfigError, load_config, parse_overrides, validate
+from flowgrpo.advantages import AdvantageInputs, compute_advantages, group_advantages
+from flowgrpo.config import AdvantageConfig, Config, ConfigError, load_config, parse_overrides, validate
 from flowgrpo.data import DataError, PromptDataset, epoch_plan, rank_slice
-from flowgrpo.loss import grpo_loss
+from flowgrpo.objectives.clipped import grpo_loss
 
 
 # ---------------------------------------------------------------- advantages
@@ -42,10 +42,33 @@ def test_per_reward_advantages_are_weighted_sums():
     b = torch.tensor([100.0, 300.0, 200.0, 5.0, 5.0, 6.0])
     scores = {"a": a, "b": b, "total": 1.0 * a + 0.5 * b}
     weights = {"a": 1.0, "b": 0.5}
-    per = compute_advantages(scores, weights, groups, per_reward=True, clip=100.0)
+    inputs, everyone = AdvantageInputs(scores, weights, groups, 0), torch.ones(6, dtype=torch.bool)
+    per = compute_advantages(AdvantageConfig(estimator="per_reward", clip=100.0), inputs, everyone)
     expected = group_advantages(a, groups, clip=100.0) + 0.5 * group_advantages(b, groups, clip=100.0)
     torch.testing.assert_close(per, expected)
-    torch.testing.assert_close(compute_advantages(scores, weights, groups), group_advantages(scores["total"], groups))
+    torch.testing.assert_close(compute_advantages(AdvantageConfig(), inputs, everyone),
+                               group_advantages(scores["total"], groups))  # fmt: skip
+
+
+def test_groups_the_nan_policy_dropped_get_zero_and_leave_the_others_statistics():
+    total = torch.tensor([1.0, 2.0, 4.0, 100.0, float("nan"), 7.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    keep = groups == 0
+    out = compute_advantages(AdvantageConfig(clip=100.0), AdvantageInputs({"total": total}, {}, groups, 0), keep)
+    torch.testing.assert_close(out[:3], group_advantages(total[:3], groups[:3], clip=100.0))
+    assert torch.equal(out[3:], torch.zeros(3))
+
+
+def test_renamed_advantage_keys_still_read_and_contradictions_are_refused():
+    assert load_config(None, ["grpo.advantage.std=global"]).grpo.advantage.estimator == "global_std"
+    assert load_config(None, ["grpo.advantage.per_reward=true"]).grpo.advantage.estimator == "per_reward"
+    assert load_config(None, ["grpo.advantage.std=group"]).grpo.advantage.estimator == "group"
+    with pytest.raises(ConfigError, match="contradicts the older keys"):
+        load_config(None, ["grpo.advantage.std=global", "grpo.advantage.estimator=group"])
+    with pytest.raises(ConfigError, match="estimator: per_reward"):
+        load_config(None, ["grpo.advantage.std=global", "grpo.advantage.per_reward=true"])
+    with pytest.raises(ConfigError, match="did you mean 'global_std'"):
+        load_config(None, ["grpo.advantage.estimator=global_st"])
 
 
 # ---------------------------------------------------------------- loss

@@ -11,17 +11,23 @@ import torch
 from test_awm import PROMPTS, TINY, _conditional_velocity, _draws, _setup
 
 from flowgrpo.config import ConfigError, load_config
-from flowgrpo.nft import OldWeights, nft_loss
+from flowgrpo.objectives import MicroBatch
+from flowgrpo.objectives.nft import OldWeights, nft_loss
 from flowgrpo.trainer import GRPOTrainer
 
 NFT = ["grpo.objective=nft", "sampler.noise_level=0"]
-DRAWS = ["grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3"]
+DRAWS = ["grpo.nft.logit_mean=0.3", "grpo.nft.logit_std=0.7", "grpo.nft.time_shift=3"]
 ADVANTAGES = torch.tensor([7.0, -0.5, 2.5, -1.25])  # the first beyond the clip (5)
 POSITIONS = torch.zeros(len(PROMPTS), dtype=torch.long)
 
 
 def _config(*overrides):
     return load_config(TINY, ["run.progress=false", *NFT, *overrides])
+
+
+def _loss(adapter, cfg, traj, old=None):
+    batch = MicroBatch(traj, ADVANTAGES, POSITIONS, torch.Generator().manual_seed(7))
+    return nft_loss(adapter, cfg.grpo.nft, cfg.grpo.kl.beta, batch, old)
 
 
 def _trainable(adapter):
@@ -36,7 +42,7 @@ def test_nft_loss_is_diffusionnfts_formula_with_the_old_weights():
         for p in _trainable(adapter):
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     cfg = _config(*DRAWS, "grpo.nft.beta=0.7", "grpo.nft.adv_clip_max=5", "grpo.kl.beta=0.5")
-    loss, stats = nft_loss(adapter, cfg, traj, POSITIONS, ADVANTAGES, torch.Generator().manual_seed(7), old)
+    loss, stats = _loss(adapter, cfg, traj, old)
 
     # By hand, as the paper's code: r from the clipped advantage, the two implicit policies, x0 predictions,
     # squared errors over their (constant) mean absolute errors, times c / β; + β_KL · mean|v - v_ref|².
@@ -61,10 +67,10 @@ def test_nft_loss_is_diffusionnfts_formula_with_the_old_weights():
     kl = ((v - v_ref) ** 2).mean()
     assert not torch.allclose(v, v_old, atol=1e-3)  # the old weights were really used
     # Same process and tensors: only the order of the final reductions may differ (a few ulp).
-    torch.testing.assert_close(stats.policy_loss, policy, rtol=1e-6, atol=0)
-    torch.testing.assert_close(stats.kl, kl, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats["policy_loss"], policy, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats["kl"], kl, rtol=1e-6, atol=0)
     torch.testing.assert_close(loss.detach(), policy + 0.5 * kl, rtol=1e-6, atol=0)
-    assert stats.ratio_mean == 1 and stats.clip_fraction == 0
+    assert set(stats) == {"loss", "policy_loss", "kl"}  # no likelihood ratio to report
 
 
 def test_at_the_old_weights_the_nft_gradient_is_advantage_weighted_matching():
@@ -75,7 +81,7 @@ def test_at_the_old_weights_the_nft_gradient_is_advantage_weighted_matching():
     params = _trainable(adapter)
     for beta in (1.0, 0.3):
         cfg = _config(*DRAWS, f"grpo.nft.beta={beta}", "grpo.nft.adv_clip_max=5")
-        loss, _ = nft_loss(adapter, cfg, traj, POSITIONS, ADVANTAGES, torch.Generator().manual_seed(7))
+        loss, _ = _loss(adapter, cfg, traj)
         grads = torch.autograd.grad(loss, params)
 
         x0 = traj.final_latents
@@ -111,13 +117,21 @@ def test_old_weights_run_a_block_on_the_snapshot_and_restore_the_storage():
 @pytest.mark.parametrize(
     "override, key",
     [("sampler.noise_level=0.7", "sampler.noise_level"), ("grpo.nft.beta=0", "grpo.nft.beta"),
-     ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"), ("grpo.awm.timesteps=0", "grpo.awm.timesteps")],
+     ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"), ("grpo.nft.timesteps=0", "grpo.nft.timesteps"),
+     ("grpo.nft.logit_std=0", "grpo.nft.logit_std")],
 )  # fmt: skip
 def test_nft_config_mistakes_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
         _config(override)
     if key.startswith("sampler."):
         assert "grpo.objective=nft" in str(err.value)
+
+
+def test_awm_settings_under_nft_are_refused_with_nfts_key():
+    """nft reads its σ draws from its own section; grpo.awm.* (where they lived before) would do nothing."""
+    with pytest.raises(ConfigError, match=r"grpo\.awm\.timesteps=2 .* did you mean grpo\.nft\.timesteps\?"):
+        _config("grpo.awm.timesteps=2")
+    assert _config("grpo.nft.timesteps=2").grpo.nft.timesteps == 2
 
 
 def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts(tmp_path, monkeypatch):
@@ -132,7 +146,7 @@ def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts
             swaps.append(len(snapshots))
             return super().swapped_in()
 
-    monkeypatch.setattr("flowgrpo.trainer.OldWeights", Recorded)  # (looked up when each epoch starts)
+    monkeypatch.setattr("flowgrpo.objectives.nft.OldWeights", Recorded)  # (looked up when each epoch starts)
     config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "train.weight_decay=0")
     trainer = GRPOTrainer(config)
     params = _trainable(trainer.adapter)

@@ -251,6 +251,7 @@ def test_trainer_draws_a_window_per_batch_and_stays_on_policy(tmp_path, monkeypa
     import json
     from pathlib import Path
 
+    import flowgrpo.rollouts.chain as chain_module
     import flowgrpo.trainer as trainer_module
 
     root = Path(__file__).resolve().parent.parent
@@ -259,8 +260,8 @@ def test_trainer_draws_a_window_per_batch_and_stays_on_policy(tmp_path, monkeypa
         "sampler.window.size=2", "sampler.window.strategy=random", "sampler.window.per_batch=true",
     ])  # fmt: skip
     windows = []
-    real_rollout = trainer_module.rollout
-    monkeypatch.setattr(trainer_module, "rollout", lambda *a, **k: windows.append(a[4]) or real_rollout(*a, **k))
+    real_rollout = chain_module.rollout
+    monkeypatch.setattr(chain_module, "rollout", lambda *a, **k: windows.append(a[4]) or real_rollout(*a, **k))
     trainer = trainer_module.GRPOTrainer(config)
     trainer.fit()
     reference = SlidingWindow(6, 2, strategy="random", seed=0)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.advantages import compute_advantages, group_advantages
+from flowgrpo.advantages import AdvantageInputs, compute_advantages, group_advantages
 from flowgrpo.batching import kept_samples, micro_batches, trained_count, trained_positions
-from flowgrpo.config import ConfigError, accumulation_steps, load_config
+from flowgrpo.config import AdvantageConfig, ConfigError, accumulation_steps, load_config
 from flowgrpo.ema import EMA
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,12 +70,18 @@ def test_per_reward_normalized_weights_follow_mixgrpo():
     weights = {"hpsv2": 1.0, "pickscore": 1.0, "clipscore": 2.0}
     scores = {**rewards, "total": sum(w * rewards[n] for n, w in weights.items())}
     groups = torch.arange(18) // k
-    ours = compute_advantages(scores, weights, groups, per_reward=True, normalize_weights=True, eps=1e-8)
+    everyone = torch.ones(18, dtype=torch.bool)
+
+    def per_reward(weights, normalize):
+        settings = AdvantageConfig(estimator="per_reward", normalize_weights=normalize, std_eps=1e-8)
+        return compute_advantages(settings, AdvantageInputs(scores, weights, groups, 0), everyone)
+
+    ours = per_reward(weights, True)
     torch.testing.assert_close(ours, _mixgrpo_advantages(rewards, weights, k), rtol=1e-5, atol=1e-5)
-    summed = compute_advantages(scores, weights, groups, per_reward=True, eps=1e-8)
+    summed = per_reward(weights, False)
     assert summed.abs().max() > ours.abs().max() * 2  # without normalisation: a sum of three, nearer the clip
     with pytest.raises(ValueError, match="positive sum"):
-        compute_advantages(scores, {"hpsv2": 0.0}, groups, per_reward=True, normalize_weights=True)
+        per_reward({"hpsv2": 0.0}, True)
 
 
 # ---------------------------------------------------------------- dropping zero-advantage samples
@@ -116,9 +122,9 @@ def test_trainer_trains_only_nonzero_advantages(tmp_path, monkeypatch):
 
     real = trainer_module.compute_advantages
 
-    def half_zero(scores, weights, group_ids, **kwargs):
-        advantages = real(scores, weights, group_ids, **kwargs)
-        return torch.where(group_ids % 2 == 0, torch.zeros_like(advantages), advantages)
+    def half_zero(settings, inputs, keep):
+        advantages = real(settings, inputs, keep)
+        return torch.where(inputs.group_ids % 2 == 0, torch.zeros_like(advantages), advantages)
 
     monkeypatch.setattr(trainer_module, "compute_advantages", half_zero)
     rows = {}

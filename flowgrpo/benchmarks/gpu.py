@@ -4,11 +4,12 @@
     python scripts/bench.py gpu --device cpu --layers 1 --size 256  # smoke run of the same code path on a CPU
 
 Random-weight transformers and VAEs with SD3.5-Medium's and FLUX.1-dev's architecture (flowgrpo.benchmarks.models;
-text encoders tiny), bf16 weights, fp32 LoRA r32 on the default targets, SDPA. SD3.5-M: 10 steps, CFG 4.5 (2 rows
-per image); FLUX.1-dev: 6 steps, guidance embedding 3.5. Rollout: our Flow-GRPO SDE rollout (every step but the
-last in the window, images decoded), timed against our ODE rollout and ``pipe()`` (interleaved repeats, medians).
-Train step: one trained timestep of the rollout's batch with the trainer's :func:`flowgrpo.trainer.timestep_loss`
-(KL off) and its backward. Peak memory: ``torch.cuda.max_memory_allocated`` during each phase.
+text encoders tiny), bf16 weights, fp32 LoRA r32 on the default targets, SDPA. SD3.5-M: 10 steps, CFG 4.5 (2 rows per
+image); FLUX.1-dev: 6 steps, guidance embedding 3.5. Rollout: our Flow-GRPO SDE rollout (every step but the last in
+the window, images decoded), timed against our ODE rollout and ``pipe()`` (interleaved repeats, medians). Train step:
+one trained timestep of the rollout's batch with the clipped objective's
+:func:`~flowgrpo.objectives.clipped.timestep_loss` (KL off) and its backward. Peak memory:
+``torch.cuda.max_memory_allocated`` during each phase.
 
 FLOPs per image are counted, not estimated: the transformer (and the VAE decoder) are built from their configs on
 PyTorch's meta device and run once under ``torch.utils.flop_counter.FlopCounterMode``, which adds up the FLOPs of
@@ -124,7 +125,7 @@ def bench_kind(kind: str, args: argparse.Namespace, peak: float | None) -> dict[
     from flowgrpo.adapters import make_adapter
     from flowgrpo.benchmarks.models import build_random_pipeline
     from flowgrpo.config import Config
-    from flowgrpo.trainer import timestep_loss
+    from flowgrpo.objectives.clipped import timestep_loss
 
     device = torch.device(args.device)
     s = SETTINGS[kind]

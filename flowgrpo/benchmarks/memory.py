@@ -2,11 +2,11 @@
 
     python scripts/bench.py memory [--size 128] [--batch 16] [--device cpu|cuda]
 
-Each case runs in its own Python process, so one case's peak never hides another's. The process builds the adapter
-as the trainer does (``build_adapter`` from a config: LoRA, dtype, gradient checkpointing, ``model.compile``),
-records its resident set (``setup``), resets the peak (``/proc/self/clear_refs``; where that is not allowed the
-process's lifetime peak is reported) and runs the phase twice: ``rollout`` (the SDE rollout of a batch, images
-decoded) or ``train`` (one trained timestep of a stored rollout: :func:`flowgrpo.trainer.timestep_loss` and its
+Each case runs in its own Python process, so one case's peak never hides another's. The process builds the adapter as
+the trainer does (``build_adapter`` from a config: LoRA, dtype, gradient checkpointing, ``model.compile``), records
+its resident set (``setup``), resets the peak (``/proc/self/clear_refs``; where that is not allowed the process's
+lifetime peak is reported) and runs the phase twice: ``rollout`` (the SDE rollout of a batch, images decoded) or
+``train`` (one trained timestep of a stored rollout: :func:`~flowgrpo.objectives.clipped.timestep_loss` and its
 backward, CFG on). ``peak`` is the highest RSS since the reset, ``Δ`` = peak - setup (with compile, its compilation's
 memory). Expected: gradient checkpointing lowers a training step's Δ, bf16 weights lower Δ against fp32.
 """
@@ -89,8 +89,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     """Run one case in this process; its memory figures."""
     from flowgrpo.adapters import build_adapter
     from flowgrpo.benchmarks.common import bench_config
+    from flowgrpo.objectives.clipped import timestep_loss
     from flowgrpo.rollout import rollout
-    from flowgrpo.trainer import timestep_loss
 
     a = case["args"]
     device = torch.device(a["device"])

@@ -2,15 +2,15 @@
 
     python scripts/bench.py scaling [--batches 1,2,4,8] [--steps 2,4,8,16] [--sizes 32,64,128]
 
-One adapter built as the trainer builds it (tiny SD3, LoRA r4, CFG). ``rollout``: the SDE rollout of a batch
-(every step but the last in the window; prompts cached, no decoding: the network and the sampler maths).
-``train step``: one trained timestep of a stored rollout (:func:`flowgrpo.trainer.timestep_loss` + backward).
-Each sweep varies one of batch / steps / resolution around the base point (batch 4, 6 steps, 64 px); the points of
-a sweep are timed in turn (interleaved repeats, medians) and e is the least-squares slope of log time on log x.
-Expected: steps e ≈ 1 (each step one forward; target 0.9 - 1.1); batch e ≤ 1 (rows share the per-call overhead;
-1 once compute-bound; target ≤ 1.1); resolution: tokens grow as px², linear layers as tokens, attention as tokens²,
-so 2 ≤ e ≤ 4 once compute-bound, less while per-call overhead dominates (target ≤ 4.2). A train step does not
-depend on the number of steps (one timestep), so it has no steps sweep.
+One adapter built as the trainer builds it (tiny SD3, LoRA r4, CFG). ``rollout``: the SDE rollout of a batch (every
+step but the last in the window; prompts cached, no decoding: the network and the sampler maths). ``train step``: one
+trained timestep of a stored rollout (:func:`~flowgrpo.objectives.clipped.timestep_loss` + backward). Each sweep
+varies one of batch / steps / resolution around the base point (batch 4, 6 steps, 64 px); the points of a sweep are
+timed in turn (interleaved repeats, medians) and e is the least-squares slope of log time on log x. Expected: steps e
+≈ 1 (each step one forward; target 0.9 - 1.1); batch e ≤ 1 (rows share the per-call overhead; 1 once compute-bound;
+target ≤ 1.1); resolution: tokens grow as px², linear layers as tokens, attention as tokens², so 2 ≤ e ≤ 4 once
+compute-bound, less while per-call overhead dominates (target ≤ 4.2). A train step does not depend on the number of
+steps (one timestep), so it has no steps sweep.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from flowgrpo.benchmarks.common import (
     tiny_overrides,
     verdict,
 )
+from flowgrpo.objectives.clipped import timestep_loss
 from flowgrpo.rollout import rollout
-from flowgrpo.trainer import timestep_loss
 
 BASE = {"batch": 4, "steps": 6, "size": 64}
 TARGETS = {"batch": (None, 1.1), "steps": (0.9, 1.1), "size": (None, 4.2)}

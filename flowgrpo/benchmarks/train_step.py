@@ -2,10 +2,11 @@
 
     python scripts/bench.py train-step [--kind sd3] [--size 64] [--batch 4] [--repeats 5] [--no-compile]
 
-``step``: the trainer's own :func:`flowgrpo.trainer.timestep_loss` on a rollout's micro-batch (re-evaluation of the
-stored transition at one window position, the KL reference forward when β > 0, the clipped loss) and its backward,
-with the adapter built by ``build_adapter`` from a trainer config, in train mode. ``bare``: the same transformer
-(LoRA attached) called once on the same B latents, sigma and prompt embeddings, ``mean()`` of the output, backward.
+``step``: the clipped objective's :func:`~flowgrpo.objectives.clipped.timestep_loss` on a rollout's micro-batch
+(re-evaluation of the stored transition at one window position, the KL reference forward when β > 0, the clipped
+loss) and its backward, with the adapter built by ``build_adapter`` from a trainer config, in train mode. ``bare``:
+the same transformer (LoRA attached) called once on the same B latents, sigma and prompt embeddings, ``mean()`` of
+the output, backward.
 
 The targets come from the bare parts measured in the same run: without KL or CFG the step should cost the bare
 forward + backward (target ≤ 1.15 ×); the KL reference adds a no-grad forward (expected 1 + fwd / (fwd + bwd));
@@ -35,8 +36,8 @@ from flowgrpo.benchmarks.common import (
     verdict,
 )
 from flowgrpo.config import Config
+from flowgrpo.objectives.clipped import timestep_loss
 from flowgrpo.rollout import Trajectory, rollout
-from flowgrpo.trainer import timestep_loss
 
 VARIANTS = {  # name -> model overrides (on fp32 eager)
     "fp32": {},

@@ -1,0 +1,18 @@
+"""Advantage estimators, one registered function each (``grpo.advantage.estimator``); see :mod:`.base`.
+
+Built in (:mod:`.group`): ``group`` (group mean and std), ``global_std`` (Flow-GRPO), ``per_reward`` (MixGRPO).
+"""
+
+from .base import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    available_advantage_estimators,
+    compute_advantages,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from .group import STD_EPS, global_std, group_advantages, group_std, per_reward
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "STD_EPS", "AdvantageInputs", "available_advantage_estimators",
+           "compute_advantages", "get_advantage_estimator", "global_std", "group_advantages", "group_std",
+           "per_reward", "register_advantage_estimator"]  # fmt: skip

@@ -1,0 +1,78 @@
+"""The advantage seam: how an epoch's rewards become advantages, chosen by ``grpo.advantage.estimator``.
+
+An estimator is a function registered by name::
+
+    @register_advantage_estimator("my_estimator")
+    def my_estimator(inputs: AdvantageInputs, settings) -> Tensor:   # settings: the grpo.advantage section
+        ...                                                          # [N], or [N, W] per trained step
+
+It sees every process's samples of the epoch at once (the trainer gathers them first) and returns one advantage per
+sample, or one per sample and window step (``inputs.num_steps`` = W) for methods that credit steps separately. The
+trainer makes one call, :func:`compute_advantages`, which also gives the groups the reward's NaN policy dropped an
+advantage of 0 and keeps them out of the others' statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..checks import one_of
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator sees: the epoch's rewards over all processes, in gathered order."""
+
+    scores: Mapping[str, Tensor]  # reward name -> [N]; "total" is the weighted sum the config asks for
+    weights: Mapping[str, float]  # reward name -> its weight in "total"
+    group_ids: Tensor  # [N] the prompt group of each sample
+    num_steps: int  # W: trained window steps per sample (0 when the objective trains the final samples only)
+
+
+Estimator = Callable[[AdvantageInputs, Any], Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: make ``grpo.advantage.estimator: <name>`` compute the advantages with this function."""
+
+    def register(fn: Estimator) -> Estimator:
+        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+def available_advantage_estimators() -> list[str]:
+    """The names ``grpo.advantage.estimator`` accepts."""
+    return sorted(ADVANTAGE_ESTIMATORS)
+
+
+def get_advantage_estimator(name: str) -> Estimator:
+    one_of("grpo.advantage.estimator", name, available_advantage_estimators())
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def compute_advantages(settings: Any, inputs: AdvantageInputs, keep: Tensor) -> Tensor:
+    """The estimator ``settings.estimator`` on the samples in ``keep`` ([N] bool: groups the NaN policy kept); the
+    others get 0. [N] or [N, W] as the estimator returns, float32."""
+    estimator = get_advantage_estimator(settings.estimator)
+    n = len(inputs.group_ids)
+    if not keep.any():
+        return torch.zeros(n)
+    kept = AdvantageInputs({k: v[keep] for k, v in inputs.scores.items()}, inputs.weights, inputs.group_ids[keep],
+                           inputs.num_steps)  # fmt: skip
+    values = estimator(kept, settings).float()
+    if values.shape[0] != int(keep.sum()) or values.ndim not in (1, 2):
+        raise ValueError(f"advantage estimator {settings.estimator!r} returned shape {tuple(values.shape)} for "
+                         f"{int(keep.sum())} samples; expected [N] or [N, W]")  # fmt: skip
+    out = torch.zeros((n, *values.shape[1:]))
+    out[keep] = values
+    return out

@@ -1,0 +1,22 @@
+"""Objectives: what the trainer minimises, one registered module each (``grpo.objective``).
+
+- ``clipped`` (:mod:`.clipped`): Flow-GRPO's per-timestep clipped ratio on the stored SDE transitions.
+- ``awm`` (:mod:`.awm`): advantage-weighted flow matching on the noised final samples.
+- ``nft`` (:mod:`.nft`): DiffusionNFT's negative-aware loss on the same noised samples.
+
+Add one with :func:`register_objective` on an :class:`Objective` subclass (see :mod:`.base`).
+"""
+
+from . import awm, clipped, nft  # noqa: F401  (register the built-in objectives)
+from .base import (
+    OBJECTIVES,
+    MicroBatch,
+    Objective,
+    available_objectives,
+    get_objective,
+    objective_sections,
+    register_objective,
+)
+
+__all__ = ["OBJECTIVES", "MicroBatch", "Objective", "available_objectives", "get_objective", "objective_sections",
+           "register_objective"]  # fmt: skip

@@ -1,0 +1,111 @@
+"""The per-timestep clipped GRPO objective (Flow-GRPO eq. 8; ddpo-pytorch's PPO core): ``grpo.objective: clipped``.
+
+The rollout stores the SDE transitions of the sampler's window (``sampler.window``); each term re-scores one stored
+transition per sample under the current weights and applies PPO's clipped ratio to the sample's advantage::
+
+    r = exp(log p_θ(x_{t+1} | x_t) - log p_old(x_{t+1} | x_t)),   loss = mean(max(-A·r, -A·clip(r, 1-ε, 1+ε))) + β·KL
+
+with ε = ``grpo.clip_range``, log-probs reduced over latent elements by ``grpo.log_prob_reduce`` and β =
+``grpo.kl.beta`` (the KL of the transition to the adapter-disabled model's, ``grpo.kl.convention``). Settings stay at
+``grpo.*`` (clip_range, log_prob_reduce, shuffle_timesteps, timestep_fraction, drop_zero_advantage) where every
+real-model preset has them. Per-step advantages ``[B, W]`` are read at each sample's trained window position.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from samplers import transition_kl
+
+from ..rollout import evaluate_transitions, stored_log_probs
+from .base import MicroBatch, Objective, register_objective
+
+if TYPE_CHECKING:
+    from ..adapters import PipelineAdapter
+    from ..config import Config
+    from ..rollout import Trajectory
+
+
+class LossStats(NamedTuple):
+    """Scalars of one timestep's loss, detached, for logging."""
+
+    loss: Tensor
+    policy_loss: Tensor
+    kl: Tensor
+    ratio_mean: Tensor
+    ratio_min: Tensor
+    ratio_max: Tensor
+    clip_fraction: Tensor
+    approx_kl: Tensor  # 0.5 · E[(logp - logp_old)²], the PPO diagnostic
+
+
+def grpo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    clip_range: float,
+    kl: Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[Tensor, LossStats]:
+    """``mean(max(-A·r, -A·clip(r, 1-ε, 1+ε))) + β·mean(KL)`` with ``r = exp(logp - logp_old)``.
+
+    log_prob, old_log_prob, advantages, kl: [B] for one trained timestep.
+    """
+    if not (log_prob.shape == old_log_prob.shape == advantages.shape):
+        raise ValueError(
+            f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and advantages "
+            f"{tuple(advantages.shape)} must have the same shape"
+        )
+    log_ratio = log_prob - old_log_prob.detach()
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.detach().to(ratio.dtype)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+    kl_mean = kl.mean() if kl is not None else torch.zeros((), device=ratio.device)
+    loss = policy_loss + beta * kl_mean
+    with torch.no_grad():
+        stats = LossStats(
+            loss=loss.detach(),
+            policy_loss=policy_loss.detach(),
+            kl=kl_mean.detach(),
+            ratio_mean=ratio.mean(),
+            ratio_min=ratio.min(),
+            ratio_max=ratio.max(),
+            clip_fraction=((ratio - 1.0).abs() > clip_range).float().mean(),
+            approx_kl=0.5 * (log_ratio**2).mean(),
+        )
+    return loss, stats
+
+
+def timestep_loss(
+    adapter: PipelineAdapter, cfg: Config, sub: Trajectory, positions: Tensor, advantages: Tensor
+) -> tuple[Tensor, LossStats]:
+    """One trained timestep of a micro-batch: re-score the stored transitions at ``positions`` ([B] window positions)
+    under the current weights, the KL reference forward when β > 0, and the clipped GRPO loss (scalar, to backward).
+    ``advantages``: [B], or [B, W] per step (read at ``positions``)."""
+    if advantages.ndim == 2:
+        advantages = advantages.gather(1, positions.view(-1, 1).to(advantages.device)).squeeze(1)
+    new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
+    kl = None
+    if cfg.grpo.kl.beta > 0:  # β = 0 skips the reference forward entirely
+        with torch.no_grad(), adapter.adapter_disabled():
+            ref = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
+        kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
+    old = stored_log_probs(sub, positions).to(new.log_prob.device)
+    return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
+
+
+@register_objective("clipped")
+class Clipped(Objective):
+    """Flow-GRPO's clipped ratio on the stored SDE transitions (the trainer's default)."""
+
+    rollout: ClassVar[str] = "sde_window"
+
+    def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, stats = timestep_loss(adapter, self.config, batch.trajectory, batch.positions, batch.advantages)
+        return loss, stats._asdict()

@@ -1,0 +1,145 @@
+"""Negative-aware fine-tuning (DiffusionNFT; Zheng et al., arXiv 2509.16117) as ``grpo.objective: nft``.
+
+Settings ``grpo.nft``. Like AWM (:mod:`.awm`) it trains on the forward process: each image's final latent x0 is
+noised afresh, x_σ = (1 - σ) x0 + σ ε, and the rollout is the plain ODE. Instead of weighting the flow-matching loss
+by the advantage, it fits two implicit policies built from the current velocity v_θ and the *old* one v_old (the weights
+the epoch's images were sampled with, frozen for the epoch)::
+
+    v⁺ = (1 - β) v_old + β v_θ            (better than the group: fit the data)
+    v⁻ = (1 + β) v_old - β v_θ            (worse: the mirror image fits it, so v_θ moves away)
+    r  = clip(A, -c, c) / 2c + 1/2        (the advantage as an optimality probability in [0, 1])
+    loss = c/β · mean_i [ r_i ‖x̂0(v⁺) - x0‖² / w⁺_i + (1 - r_i) ‖x̂0(v⁻) - x0‖² / w⁻_i ],   x̂0(v) = x_σ - σ v
+
+with β = ``grpo.nft.beta``, c = ``grpo.nft.adv_clip_max`` and the adaptive weights w = mean|x̂0 - x0| (no gradient,
+at least 1e-5), as in the paper's public code. Both terms pull v_θ to a bounded target,
+v_old + (2r - 1)(ε - x0 - v_old)/β at the optimum: unlike AWM's negative weights, a bad sample cannot push the model
+without limit, and the adaptive weights keep every sample's gradient at the same scale.
+With v_θ = v_old (the epoch's first step) the gradient is AWM's with clip(A, -c, c) · σ²/w in place of A.
+
+σ and ε are drawn as for AWM (:mod:`.forward`; ``grpo.nft.timesteps`` terms per sample at ``sigmoid(N(logit_mean,
+logit_std²))``, ``grpo.nft.time_shift``; ``grpo.nft.cfg``), and ``grpo.kl.beta`` adds β_KL · mean|v_θ - v_ref|² to
+the adapter-disabled model. The old velocity is one more forward without gradient, on the trainable weights as they
+were when the epoch's training began (:class:`OldWeights`; the paper's soft "old" update with decay 0). Deliberately
+simpler than the paper's code: σ comes from the logit-normal above rather than from the sampler's schedule, and
+rollouts sample with the current weights (its decay > 0 samples with a slowly moving average).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..checks import check_range
+from .base import MicroBatch, Objective, register_objective
+from .forward import ForwardProcessConfig, check_forward_process, noised_point, velocity, velocity_kl
+
+if TYPE_CHECKING:
+    from ..adapters import PipelineAdapter
+    from ..config import Config
+    from ..rollout import Trajectory
+
+
+@dataclass
+class NFTConfig(ForwardProcessConfig):
+    """``grpo.nft:`` how σ and ε are drawn (as :class:`ForwardProcessConfig`), and the negative-aware loss's β and c."""
+
+    beta: float = 1.0  # β of the implicit policies v± = v_old ± β (v_θ - v_old): the trust region (DiffusionNFT: 1)
+    adv_clip_max: float = 5.0  # c: advantages clipped to ±c, r = A / 2c + 1/2 (DiffusionNFT: 5)
+
+
+class OldWeights:
+    """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it.
+
+    The swap exchanges the parameters' storage (no copy) and restores it on exit. Run it before the forward that
+    builds the graph to differentiate: a graph holds the parameters, not their storage at the time. Autocast caches
+    its casts of parameters by tensor, so the cache is cleared on both sides of the swap."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.saved = [p.detach().clone() for p in params]
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        current = [p.data for p in self.params]
+        for p, old in zip(self.params, self.saved, strict=True):
+            p.data = old
+        torch.clear_autocast_cache()
+        try:
+            yield
+        finally:
+            for p, now in zip(self.params, current, strict=True):
+                p.data = now
+            torch.clear_autocast_cache()
+
+
+def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:
+    """Per sample: mean squared error over mean absolute error (the latter without gradient, at least 1e-5)."""
+    error = (prediction - target).flatten(1)
+    weight = error.detach().abs().mean(dim=1).clamp_min(1e-5)
+    return error.pow(2).mean(dim=1) / weight
+
+
+@register_objective("nft")
+class NFT(Objective):
+    """DiffusionNFT's negative-aware loss; the old weights are the trainable weights as the epoch's training began."""
+
+    config_class: ClassVar[type] = NFTConfig
+    rollout: ClassVar[str] = "ode"
+    refuses_sharded: ClassVar[str | None] = (
+        "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
+        "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
+    )
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.old_weights: OldWeights | None = None
+
+    @classmethod
+    def validate(cls, config: Config) -> None:
+        check_forward_process(config, cls.name)
+        check_range("grpo.nft.beta", config.grpo.nft.beta, 0, low_open=True)
+        check_range("grpo.nft.adv_clip_max", config.grpo.nft.adv_clip_max, 0, low_open=True)
+
+    def steps(self, trajectory: Trajectory) -> int:  # noqa: ARG002 (a setting, whatever was sampled)
+        return self.settings.timesteps
+
+    def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
+        self.old_weights = OldWeights(params)
+
+    def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        return nft_loss(adapter, self.settings, self.config.grpo.kl.beta, batch, self.old_weights)
+
+
+def nft_loss(
+    adapter: PipelineAdapter,
+    settings: NFTConfig,
+    kl_beta: float,
+    batch: MicroBatch,
+    old_weights: OldWeights | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One loss term of a micro-batch: a fresh (σ, ε) per sample from the batch's generator (CPU), the old and
+    (``kl_beta`` > 0) reference velocities without gradient, then the NFT loss plus ``kl_beta`` × the velocity KL
+    (scalar, to backward); logs ``loss``, ``policy_loss`` and ``kl``. ``old_weights=None``: the current weights are
+    the old ones."""
+    sub = batch.trajectory
+    point = noised_point(adapter, settings, sub, batch.generator)
+    with torch.no_grad(), old_weights.swapped_in() if old_weights is not None else contextlib.nullcontext():
+        old = velocity(adapter, point, sub)
+    v = velocity(adapter, point, sub)
+    kl = velocity_kl(adapter, kl_beta, point, sub, v)
+
+    beta, clip = settings.beta, settings.adv_clip_max
+    r = batch.advantages.detach().float().to(v.device).clamp(-clip, clip) / (2 * clip) + 0.5
+    s = point.sigma.view((len(sub),) + (1,) * (v.ndim - 1))
+    positive = beta * v + (1 - beta) * old
+    negative = (1 + beta) * old - beta * v
+    fit = _adaptive_error(point.noisy - s * positive, point.clean)
+    mirror = _adaptive_error(point.noisy - s * negative, point.clean)
+    policy_loss = ((r * fit + (1 - r) * mirror) * clip / beta).mean()
+    loss = policy_loss + kl_beta * kl
+    return loss, {"loss": loss.detach(), "policy_loss": policy_loss.detach(), "kl": kl.detach()}

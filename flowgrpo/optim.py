@@ -1,0 +1,41 @@
+"""The optimizer and its learning-rate schedule, from ``train.*``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from diffusers.optimization import get_scheduler
+
+from .checks import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
+
+
+def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    t = config.train
+    kwargs = {"lr": t.lr, "weight_decay": t.weight_decay, "betas": tuple(t.betas), "eps": t.eps}
+    if t.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("train.optimizer=adamw8bit needs `pip install bitsandbytes`; or use adamw") from None
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
+    """The factor on ``train.lr`` at an optimizer step: diffusers' ``get_scheduler`` multiplier for
+    ``train.lr_schedule`` over ``total_steps`` (run.epochs × the steps per epoch). The trainer sets the lr before
+    every backward from the epoch and the accumulation cycle within it, so a resumed run, even on another process
+    count, continues the schedule with nothing more to checkpoint, and a skipped non-finite step does not shift it."""
+    t = config.train
+    if t.lr_schedule != "constant" and t.lr_warmup_steps >= total_steps:
+        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than the run's {total_steps} "
+                          "optimizer steps; lower it")  # fmt: skip
+    # get_scheduler wants an optimizer; at train.lr because polynomial's end lr (1e-7) is absolute.
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)
+    scheduler = get_scheduler(t.lr_schedule, probe, num_warmup_steps=t.lr_warmup_steps, num_training_steps=total_steps)
+    return scheduler.lr_lambdas[0]

@@ -1,0 +1,20 @@
+"""Rollout strategies: how an epoch's samples are produced, one registered class each (``sampler.rollout``).
+
+Built in: ``chain`` (:mod:`.chain`). Add one with :func:`register_rollout` on a :class:`RolloutStrategy` subclass
+(see :mod:`.base`). The per-batch sampler itself (SDE/ODE steps, window, prefix) is :mod:`flowgrpo.rollout`.
+"""
+
+from . import chain  # noqa: F401  (register the built-in strategies)
+from .base import (
+    ROLLOUTS,
+    Collected,
+    RolloutContext,
+    RolloutStrategy,
+    available_rollouts,
+    get_rollout,
+    register_rollout,
+)
+from .chain import make_window
+
+__all__ = ["ROLLOUTS", "Collected", "RolloutContext", "RolloutStrategy", "available_rollouts", "get_rollout",
+           "make_window", "register_rollout"]  # fmt: skip

@@ -1,0 +1,108 @@
+"""The rollout seam: how an epoch's samples are produced, chosen by ``sampler.rollout``.
+
+A rollout strategy is a class registered by name::
+
+    @register_rollout("my_rollout")
+    class MyRollout(RolloutStrategy):
+        def collect(self, epoch: int) -> Collected | None: ...
+
+``collect`` samples this process's share of the epoch, hands every batch of images to ``context.submit`` as soon as
+it exists (rewards are scored in the background while the next batch samples) and returns the epoch's
+:class:`~flowgrpo.rollout.Trajectory` with metrics about how it was produced; or None when ``context.should_stop()``
+said so between batches (every process must see the same number of batches). Today's strategy is ``chain``
+(:mod:`.chain`): one SDE/ODE chain per image, with the sampler's window and the shared prefix. Tree or branch
+rollouts and offline sources of stored samples plug in here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..checks import one_of
+from ..data import epoch_plan, rank_slice
+
+if TYPE_CHECKING:
+    from ..adapters import PipelineAdapter
+    from ..config import Config
+    from ..data import EpochSample, PromptDataset
+    from ..objectives import Objective
+    from ..rollout import Trajectory
+
+
+@dataclass
+class RolloutContext:
+    """What a strategy may use; the same object for the whole run."""
+
+    config: Config
+    adapter: PipelineAdapter
+    data: PromptDataset  # the training prompts
+    objective: Objective  # what the samples will train (its ``rollout``: whether SDE transitions are stored)
+    generator: torch.Generator  # this process's rollout noise, re-seeded every epoch by the trainer
+    rank: int
+    num_processes: int
+    # (images, prompts, metadata, source images or None): score in the background
+    submit: Callable[[Tensor, list[str], list[dict[str, Any]], Tensor | None], None]
+    should_stop: Callable[[], bool]  # a collective: every process gets the same answer
+    progress: bool = False  # show progress bars
+
+    def epoch_slots(self, epoch: int) -> list[EpochSample]:
+        """This process's (prompt, group) slots of the epoch: ``grpo.groups_per_epoch`` prompts drawn from
+        ``(run.seed, epoch)``, ``grpo.group_size`` images each, dealt over processes."""
+        g = self.config.grpo
+        plan = epoch_plan(len(self.data), g.group_size, g.groups_per_epoch, seed=self.config.run.seed, epoch=epoch)
+        return rank_slice(plan, self.rank, self.num_processes)
+
+
+@dataclass
+class Collected:
+    """An epoch's samples on this process, and metrics (``name: value``) about how they were produced."""
+
+    trajectory: Trajectory
+    metrics: dict[str, float]
+
+
+class RolloutStrategy:
+    """Base class of the registered rollout strategies: built once per run, ``collect`` once per epoch."""
+
+    name: str = ""
+
+    def __init__(self, context: RolloutContext) -> None:
+        self.context = context
+
+    @classmethod
+    def validate(cls, config: Config) -> None:
+        """Refuse settings this strategy cannot use (a ConfigError naming key and fix), before anything loads."""
+
+    def collect(self, epoch: int) -> Collected | None:
+        raise NotImplementedError
+
+
+ROLLOUTS: dict[str, type[RolloutStrategy]] = {}
+
+
+def register_rollout(name: str):
+    """Class decorator: make ``sampler.rollout: <name>`` produce the epochs' samples with this strategy."""
+
+    def register(cls: type[RolloutStrategy]) -> type[RolloutStrategy]:
+        if name in ROLLOUTS and ROLLOUTS[name] is not cls:
+            raise ValueError(f"rollout strategy {name!r} is already registered ({ROLLOUTS[name].__qualname__})")
+        cls.name = name
+        ROLLOUTS[name] = cls
+        return cls
+
+    return register
+
+
+def available_rollouts() -> list[str]:
+    """The names ``sampler.rollout`` accepts."""
+    return sorted(ROLLOUTS)
+
+
+def get_rollout(name: str) -> type[RolloutStrategy]:
+    one_of("sampler.rollout", name, available_rollouts())
+    return ROLLOUTS[name]

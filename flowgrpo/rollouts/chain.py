@@ -1,0 +1,73 @@
+"""``sampler.rollout: chain``: one sampling chain per image, SDE inside the sampler's window and ODE elsewhere.
+
+Rollout batches of ``sampler.batch_size`` images in the epoch's prompt order (:func:`flowgrpo.rollout.rollout` samples
+each: shared prefix, window, post-window solver). The window (:class:`samplers.SlidingWindow`) is a function of the
+epoch, or with ``sampler.window.per_batch`` of (epoch, global batch index) as Flow-GRPO-Fast draws it. Objectives that
+train the final samples only (``rollout = "ode"``) get no window: every step is the ODE.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from samplers import NoWindow, SlidingWindow
+
+from ..rollout import Trajectory, rollout
+from .base import Collected, RolloutStrategy, register_rollout
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from .base import RolloutContext
+
+
+def make_window(config: Config, stores_transitions: bool = True) -> SlidingWindow | NoWindow:
+    """The sampler's window of SDE (trained) steps; :class:`NoWindow` when nothing stores transitions."""
+    if not stores_transitions:
+        return NoWindow()
+    w = config.sampler.window
+    return SlidingWindow(
+        config.sampler.num_steps, w.size, strategy=w.strategy, shift_interval=w.shift_interval, stride=w.stride,
+        roll_back=w.roll_back, seed=config.run.seed, max_start=w.max_start, decay_rate=w.decay_rate,
+        decay_threshold=w.decay_threshold, end_margin=w.end_margin,
+    )  # fmt: skip
+
+
+@register_rollout("chain")
+class Chain(RolloutStrategy):
+    """Today's rollouts: independent chains per image (a group shares its prefix with ``same_initial_noise``)."""
+
+    def __init__(self, context: RolloutContext) -> None:
+        super().__init__(context)
+        self.window = make_window(context.config, context.objective.rollout == "sde_window")
+
+    def collect(self, epoch: int) -> Collected | None:
+        ctx, cfg = self.context, self.context.config
+        window = self.window.steps(epoch)
+        slots = ctx.epoch_slots(epoch)
+        size = cfg.sampler.batch_size
+        batches = [slots[i : i + size] for i in range(0, len(slots), size)]
+        parts: list[Trajectory] = []
+        starts: list[int] = []  # each batch's window start, for the metrics
+        for index, batch in enumerate(tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress)):
+            prompts = [ctx.data.prompts[s.prompt_index] for s in batch]
+            metadata = [dict(ctx.data.metadata[s.prompt_index]) for s in batch]
+            sources = ctx.data.sources_of([s.prompt_index for s in batch])  # image editing, else None
+            # Flow-GRPO-Fast: a new random window for every batch, a function of (seed, epoch, global batch index).
+            batch_window = (self.window.steps(epoch, batch=ctx.rank * len(batches) + index)
+                            if cfg.sampler.window.per_batch else window)  # fmt: skip
+            starts.append(batch_window.start if batch_window else -1)
+            trajectory = rollout(
+                ctx.adapter, prompts, [s.group_id for s in batch], cfg.sampler, batch_window, ctx.generator,
+                height=cfg.model.resolution, width=cfg.model.resolution, log_prob_reduce=cfg.grpo.log_prob_reduce,
+                metadata=metadata, noise_seed=cfg.run.seed, sources=sources,
+            )  # fmt: skip
+            # scored while the next batch samples; editing rewards also see each sample's source image
+            ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
+            trajectory.images = trajectory.images.cpu()  # kept for image grids only: free the device memory
+            parts.append(trajectory)
+            if ctx.should_stop():  # every process has the same number of batches (validated)
+                return None
+        start = sum(starts) / len(starts) if cfg.sampler.window.per_batch else starts[0]  # mean of the batches'
+        return Collected(Trajectory.cat(parts), {"window/start": start, "window/size": len(window)})
