@@ -1,0 +1,135 @@
+"""A method lands as one module: an objective (with its own config section) and an advantage estimator registered
+from this file alone train a tiny epoch; per-step advantages reach the clipped loss at each sample's position."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgrpo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, available_advantage_estimators
+from flowgrpo.advantages import register_advantage_estimator as register_estimator
+from flowgrpo.config import ConfigError, load_config
+from flowgrpo.objectives import OBJECTIVES, MicroBatch, Objective, available_objectives, register_objective
+from flowgrpo.objectives.clipped import timestep_loss
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_sd3.yaml"
+calls: dict[str, list] = {"estimator": [], "loss": []}
+
+
+@dataclass
+class ThrowawaySettings:
+    sigma: float = 0.5  # the one noise level every term trains at
+
+
+@register_objective("throwaway")
+class Throwaway(Objective):
+    """Advantage-weighted flow matching at one fixed σ: the smallest objective that trains."""
+
+    config_class = ThrowawaySettings
+    rollout = "ode"
+
+    @classmethod
+    def validate(cls, config):
+        if not 0 < config.grpo.throwaway.sigma < 1:
+            raise ConfigError(f"grpo.throwaway.sigma must lie in (0, 1), got {config.grpo.throwaway.sigma}")
+
+    def steps(self, trajectory):
+        return 1
+
+    def loss(self, adapter, batch: MicroBatch):
+        x0 = batch.trajectory.final_latents.float()
+        noise = torch.randn(x0.shape, generator=batch.generator)
+        sigma = torch.full((len(x0),), self.settings.sigma)
+        v = adapter.velocity((1 - self.settings.sigma) * x0 + self.settings.sigma * noise, sigma,
+                             batch.trajectory.embeds, 1.0).float()  # fmt: skip
+        error = (v - (noise - x0)).pow(2).flatten(1).mean(dim=1)
+        loss = (batch.advantages * error).mean()
+        calls["loss"].append(batch.advantages.clone())
+        return loss, {"loss": loss.detach(), "weighted_error": error.mean().detach()}
+
+
+@register_estimator("centred_rank")
+def centred_rank(inputs: AdvantageInputs, settings) -> torch.Tensor:
+    """Each sample's rank within its group, centred: robust to the reward's scale."""
+    total, out = inputs.scores["total"], torch.zeros(len(inputs.group_ids))
+    for g in inputs.group_ids.unique():
+        rows = torch.nonzero(inputs.group_ids == g).flatten()
+        ranks = total[rows].argsort().argsort().float()
+        out[rows] = ranks - ranks.mean()
+    calls["estimator"].append(out.clone())
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unregister():
+    yield
+    OBJECTIVES.pop("throwaway")
+    ADVANTAGE_ESTIMATORS.pop("centred_rank")
+
+
+def _config(tmp_path, *overrides):
+    return load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "run.epochs=1", "eval.every=0",
+                              "sampler.noise_level=0", "grpo.objective=throwaway",
+                              "grpo.advantage.estimator=centred_rank", *overrides])  # fmt: skip
+
+
+def test_an_objective_and_an_estimator_from_this_file_train_one_epoch(tmp_path):
+    from flowgrpo.trainer import GRPOTrainer
+
+    assert "throwaway" in available_objectives() and "centred_rank" in available_advantage_estimators()
+    config = _config(tmp_path, "grpo.throwaway.sigma=0.25")
+    assert config.grpo.throwaway.sigma == 0.25 and config.to_dict()["grpo"]["throwaway"] == {"sigma": 0.25}
+    calls["estimator"].clear()
+    calls["loss"].clear()
+    trainer = GRPOTrainer(config)
+    before = [p.detach().clone() for p in trainer.params]
+    trainer.fit()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if "train/loss" in r)
+    assert "train/weighted_error" in row and "train/ratio_mean" not in row  # the objective's own metrics
+    assert row["global_step"] > 0
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
+    (advantages,) = calls["estimator"]  # one call per epoch, over every sample
+    assert len(advantages) == config.grpo.group_size * config.grpo.groups_per_epoch
+    trained = torch.cat(calls["loss"])
+    assert sorted(trained.tolist()) == sorted(advantages.tolist())  # every sample trained once, with its advantage
+
+
+def test_an_objectives_own_section_is_validated_and_unknown_keys_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"grpo\.throwaway\.sigma must lie in \(0, 1\)"):
+        _config(tmp_path, "grpo.throwaway.sigma=1.5")
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo\.throwaway\.sigm'; did you mean"):
+        _config(tmp_path, "grpo.throwaway.sigm=0.3")
+    # its settings under another objective do nothing: refused
+    with pytest.raises(ConfigError, match=r"grpo\.throwaway\.sigma=0\.3 is a setting of grpo\.objective=throwaway"):
+        load_config(TINY, ["grpo.throwaway.sigma=0.3"])
+
+
+def test_per_step_advantages_reach_the_clipped_loss_at_each_samples_position():
+    """[B, W] advantages equal to A in every column give the [B] loss; a column changed at a position not trained
+    changes nothing, at the trained one it changes the loss."""
+    from flowgrpo.adapters import build_adapter
+    from flowgrpo.rollout import rollout
+
+    config = load_config(TINY, ["model.resolution=32", "grpo.clip_range=0.2"])
+    adapter = build_adapter(config.model)
+    trajectory = rollout(adapter, ["a red cube", "a red cube", "a blue ball", "a blue ball"], [0, 0, 1, 1],
+                         config.sampler, range(0, 2), torch.Generator().manual_seed(0), height=32, width=32)
+    trajectory.log_probs = trajectory.log_probs + 0.1  # stored log-probs off the current policy: ratios ≠ 1
+    positions = torch.tensor([0, 1, 0, 1])
+    advantages = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    per_step = advantages[:, None].repeat(1, trajectory.num_trained_steps)
+    loss, _ = timestep_loss(adapter, config, trajectory, positions, advantages)
+    same, _ = timestep_loss(adapter, config, trajectory, positions, per_step)
+    torch.testing.assert_close(same, loss, rtol=0, atol=0)
+    untouched = per_step.clone()
+    untouched[0, 1] = 100.0  # sample 0 trains position 0
+    torch.testing.assert_close(timestep_loss(adapter, config, trajectory, positions, untouched)[0], loss, rtol=0,
+                               atol=0)  # fmt: skip
+    moved = per_step.clone()
+    moved[0, 0] = 100.0
+    assert not torch.equal(timestep_loss(adapter, config, trajectory, positions, moved)[0], loss)
