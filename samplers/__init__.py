@@ -2,6 +2,8 @@
 
 Conventions (DESIGN.md §3): t = sigma from 1 (noise) to 0 (data), ``x_t = (1 - t) x0 + t eps``,
 ``v ≈ eps - x0``. Every stochastic step returns a :class:`Transition` ``(sample, mean, std, log_prob)``.
+Step kinds, diffusions and post-window solvers are registered by name (``register_sde_step``, ``register_diffusion``,
+``register_solver``): a new one is one decorated function, and the config accepts its name.
 """
 
 from ._core import (
@@ -15,17 +17,34 @@ from ._core import (
     transition_kl,
 )
 from .schedule import calculate_shift, pipeline_schedule, static_shift_schedule, time_shift, truncated_timesteps
-from .solvers import SOLVERS, compress_schedule, dpmpp_2m_step, integrate_ode, mixgrpo_tail_schedule, solver_step
+from .solvers import (
+    MULTISTEP_SOLVERS,
+    SOLVER_STEPS,
+    SOLVERS,
+    compress_schedule,
+    dpmpp_2m_solver_step,
+    dpmpp_2m_step,
+    euler_solver_step,
+    get_solver,
+    integrate_ode,
+    mixgrpo_tail_schedule,
+    register_solver,
+    solver_step,
+)
 from .steps import (
     DIFFUSIONS,
     SDE_KINDS,
+    SDE_STEPS,
     cps_step,
     dance_diffusion,
     euler_maruyama_step,
     flowgrpo_diffusion,
+    get_sde_step,
     langevin_correction,
     langevin_step,
     ode_step,
+    register_diffusion,
+    register_sde_step,
     sde_step,
 )
 from .window import STRATEGIES, NoWindow, SlidingWindow
@@ -34,8 +53,11 @@ __all__ = [
     "DIFFUSIONS",
     "KL_CONVENTIONS",
     "LOG_PROBS",
+    "MULTISTEP_SOLVERS",
     "SDE_KINDS",
+    "SDE_STEPS",
     "SOLVERS",
+    "SOLVER_STEPS",
     "STRATEGIES",
     "NoWindow",
     "SlidingWindow",
@@ -44,11 +66,15 @@ __all__ = [
     "compress_schedule",
     "cps_step",
     "dance_diffusion",
+    "dpmpp_2m_solver_step",
     "dpmpp_2m_step",
     "euler_maruyama_step",
+    "euler_solver_step",
     "flowgrpo_diffusion",
     "gaussian_kl",
     "gaussian_log_prob",
+    "get_sde_step",
+    "get_solver",
     "integrate_ode",
     "langevin_correction",
     "langevin_step",
@@ -56,6 +82,9 @@ __all__ = [
     "ode_step",
     "pipeline_schedule",
     "reduce_per_sample",
+    "register_diffusion",
+    "register_sde_step",
+    "register_solver",
     "sde_step",
     "solver_step",
     "squared_error_log_prob",

@@ -7,8 +7,9 @@ returns its sample in the input dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -19,6 +20,20 @@ LogProb = Literal["exact", "squared_error"]
 LOG_PROBS = ("exact", "squared_error")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def add_to_registry(registry: dict[str, F], name: str, fn: F, what: str) -> F:
+    """``registry[name] = fn`` for the ``register_*`` decorators; a name already taken by another function is refused
+    (a second registration would silently replace the first)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a {what} needs a non-empty name, got {name!r}")
+    taken = registry.get(name)
+    if taken is not None and taken is not fn:
+        raise ValueError(f"{what} {name!r} is already registered ({taken.__module__}.{taken.__qualname__})")
+    registry[name] = fn
+    return fn
 
 
 @dataclass

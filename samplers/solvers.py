@@ -2,23 +2,22 @@
 
 DPM-Solver++(2M) (Lu et al., arXiv:2211.01095, Alg. 2) in data-prediction form for the flow
 ``x_t = (1 - t) x0 + t eps``: ``alpha_t = 1 - t``, ``sigma_t = t``, ``x0_hat = x - t v``,
-``λ = log((1 - t) / t)``. Stateless: the caller carries the previous ``x0_hat`` and ``t``.
+``λ = log((1 - t) / t)``. Stateless: the caller carries the previous ``x0_hat`` and ``t``. The post-window solvers
+(``sampler.post_window.solver``) are a registry: ``@register_solver("name")``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from ._core import TimeLike, as_time, check_step_inputs
+from ._core import TimeLike, add_to_registry, as_time, check_step_inputs
 from .schedule import time_shift
 from .steps import ode_step
 
-Solver = Literal["euler", "dpmpp_2m"]
-SOLVERS = ("euler", "dpmpp_2m")
+Solver = str  # a name in SOLVER_STEPS: euler | dpmpp_2m, or one registered with register_solver
 
 
 def _log_snr(t: Tensor) -> Tensor:
@@ -122,19 +121,61 @@ def mixgrpo_tail_schedule(sigmas: Tensor, after: int, ratio: float, shift: float
 
 
 SolverHistory = tuple[Tensor, Tensor] | None  # (previous x0_hat, previous t) for multistep solvers
+SolverStep = Callable[[Tensor, Tensor, TimeLike, TimeLike, SolverHistory], tuple[Tensor, SolverHistory]]
+
+SOLVER_STEPS: dict[str, SolverStep] = {}
+SOLVERS = SOLVER_STEPS.keys()  # a live view: config validation accepts every registered solver
+MULTISTEP_SOLVERS: set[str] = set()  # solvers that carry a history between steps (see register_solver)
+
+
+def register_solver(name: str, *, multistep: bool = False) -> Callable[[SolverStep], SolverStep]:
+    """Register ``step(v, x, t, t_next, history) -> (x_next, history)`` as ``sampler.post_window.solver: name``.
+
+    ``history`` is None at the first step; the step returns what the next one needs. ``multistep``: the solver keeps
+    one (a higher order from past steps), and the rollout then integrates a thinned tail, ``post_window.ratio`` of the
+    steps after the window, and may seed the history from the window's steps (MixGRPO-Flash).
+    """
+
+    def register(step: SolverStep) -> SolverStep:
+        add_to_registry(SOLVER_STEPS, name, step, "ODE solver")
+        if multistep:
+            MULTISTEP_SOLVERS.add(name)
+        return step
+
+    return register
+
+
+@register_solver("euler")
+def euler_solver_step(
+    v: Tensor, x: Tensor, t: TimeLike, t_next: TimeLike, history: SolverHistory = None
+) -> tuple[Tensor, SolverHistory]:
+    """Euler step of the probability-flow ODE, ``x + dt · v`` (:func:`ode_step`); no history."""
+    return ode_step(v, x, t, t_next), None
+
+
+@register_solver("dpmpp_2m", multistep=True)
+def dpmpp_2m_solver_step(
+    v: Tensor, x: Tensor, t: TimeLike, t_next: TimeLike, history: SolverHistory = None
+) -> tuple[Tensor, SolverHistory]:
+    """:func:`dpmpp_2m_step` from the previous step's ``(x0_hat, t)``; returns this step's as the next history."""
+    prev_x0, t_prev = history if history is not None else (None, None)
+    x_next, x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
+    return x_next, (x0, torch.as_tensor(t))
+
+
+def get_solver(solver: Solver) -> SolverStep:
+    """The solver step registered as ``solver``; an unknown name is refused with the registered ones."""
+    if solver not in SOLVER_STEPS:
+        raise ValueError(f"solver must be one of {', '.join(SOLVER_STEPS)} (registered ODE solvers), got {solver!r}")
+    return SOLVER_STEPS[solver]
 
 
 def solver_step(
     solver: Solver, v: Tensor, x: Tensor, t: TimeLike, t_next: TimeLike, history: SolverHistory = None
 ) -> tuple[Tensor, SolverHistory]:
-    """One ODE step with ``solver``; pass the returned history to the next call (None to start)."""
-    if solver == "euler":
-        return ode_step(v, x, t, t_next), None
-    if solver == "dpmpp_2m":
-        prev_x0, t_prev = history if history is not None else (None, None)
-        x_next, x0 = dpmpp_2m_step(v, x, t, t_next, prev_x0=prev_x0, t_prev=t_prev)
-        return x_next, (x0, torch.as_tensor(t))
-    raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    """One ODE step with the solver registered as ``solver``; pass the returned history to the next call (None to
+    start)."""
+    return get_solver(solver)(v, x, t, t_next, history)
 
 
 def integrate_ode(
@@ -144,9 +185,8 @@ def integrate_ode(
     solver: Solver = "euler",
 ) -> Tensor:
     """Integrate the probability-flow ODE over ``sigmas`` (decreasing) with one network call per step."""
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    step = get_solver(solver)
     history: SolverHistory = None
     for t, t_next in zip(sigmas[:-1], sigmas[1:], strict=True):
-        x, history = solver_step(solver, velocity_fn(x, t), x, t, t_next, history)
+        x, history = step(velocity_fn(x, t), x, t, t_next, history)
     return x

@@ -4,10 +4,15 @@ Notation (DESIGN.md §3): time t is the scheduler's sigma (1 = noise, 0 = data),
 ``x_t = (1 - t) x0 + t eps``, the network predicts ``v ≈ eps - x0``, ``dt = t_next - t < 0``,
 ``Δ = -dt``. From ``(x, t, v)``: ``x0_hat = x - t v``, ``eps_hat = x + (1 - t) v``,
 score ``s = -eps_hat / t``.
+
+Step kinds (``sampler.kind``) and diffusions (``sampler.diffusion``) are registries filled by decorators: a new kind is
+one function ``@register_sde_step("name")``, dispatched by :func:`sde_step` with the options its signature names.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Literal
@@ -20,13 +25,23 @@ from ._core import (
     Reduce,
     TimeLike,
     Transition,
+    add_to_registry,
     check_noise_level,
     check_step_inputs,
     make_transition,
 )
 
-Diffusion = Literal["flowgrpo", "dance", "flowgrpo_wan"]
+Diffusion = str  # a name in DIFFUSIONS: flowgrpo | dance | flowgrpo_wan, or one registered with register_diffusion
+DiffusionFn = Callable[..., Tensor]  # g(t, noise_level, t_second=None) -> Tensor
 VelocityFn = Callable[[Tensor, TimeLike], Tensor]
+SdeStep = Callable[..., Transition]  # step(v, x, t, t_next, *, noise_level, noise, generator, prev_sample, reduce, ...)
+
+DIFFUSIONS: dict[str, DiffusionFn] = {}
+
+
+def register_diffusion(name: str) -> Callable[[DiffusionFn], DiffusionFn]:
+    """Register ``g(t, noise_level, t_second=None)`` as ``sampler.diffusion: name`` (euler_maruyama and langevin)."""
+    return lambda fn: add_to_registry(DIFFUSIONS, name, fn, "diffusion")
 
 
 def ode_step(v: Tensor, x: Tensor, t: TimeLike, t_next: TimeLike) -> Tensor:
@@ -35,6 +50,7 @@ def ode_step(v: Tensor, x: Tensor, t: TimeLike, t_next: TimeLike) -> Tensor:
     return (x.float() + (t_next_ - t_) * v.float()).to(x.dtype)
 
 
+@register_diffusion("flowgrpo")
 def flowgrpo_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | None = None) -> Tensor:
     """Flow-GRPO's diffusion ``g(t) = a · sqrt(t / (1 - t))`` (arXiv:2505.05470, eq. 9; paper's σ_t).
 
@@ -54,11 +70,13 @@ def flowgrpo_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | None 
     return noise_level * torch.sqrt(t / denominator)
 
 
+@register_diffusion("dance")
 def dance_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | None = None) -> Tensor:
     """DanceGRPO's constant diffusion ``g = η`` (arXiv:2505.07818)."""
     return torch.full_like(torch.as_tensor(t, dtype=torch.float32), noise_level)
 
 
+@register_diffusion("flowgrpo_wan")
 def flowgrpo_wan_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | None = None) -> Tensor:
     """Flow-GRPO's Wan2.1 diffusion ``g(t) = a · t_second · t``: linear in t, scaled by the schedule's second sigma.
 
@@ -74,17 +92,68 @@ def flowgrpo_wan_diffusion(t: Tensor, noise_level: float, t_second: TimeLike | N
     return noise_level * t_second * t
 
 
-DIFFUSIONS: dict[str, Callable[..., Tensor]] = {
-    "flowgrpo": flowgrpo_diffusion, "dance": dance_diffusion, "flowgrpo_wan": flowgrpo_wan_diffusion,
-}  # fmt: skip
-
-
-def _diffusion(name: str) -> Callable[..., Tensor]:
+def _diffusion(name: str) -> DiffusionFn:
     if name not in DIFFUSIONS:
         raise ValueError(f"diffusion must be one of {sorted(DIFFUSIONS)}, got {name!r}")
     return DIFFUSIONS[name]
 
 
+SDE_STEPS: dict[str, SdeStep] = {}
+SDE_KINDS = SDE_STEPS.keys()  # a live view: config validation accepts every registered kind, in registration order
+
+# Keywords every step takes: the rollout draws with noise / generator, re-scoring passes prev_sample.
+_DRAW_KEYWORDS = ("noise_level", "noise", "generator", "prev_sample", "reduce")
+
+
+def register_sde_step(name: str) -> Callable[[SdeStep], SdeStep]:
+    """Register ``step`` as the SDE step kind ``name`` (``sampler.kind: name``, dispatched by :func:`sde_step`).
+
+    ``step(v, x, t, t_next, *, noise_level, noise, generator, prev_sample, reduce, ...) -> Transition``: a pure
+    function that draws ``sample`` (or takes ``prev_sample``) and scores it. It may take any other option of
+    :func:`sde_step` by name (``diffusion``, ``t_second``, ``score_eval``, ``velocity_fn``, ``kappa``, ``log_prob``);
+    sde_step passes it those its signature names. A step without one of the draw keywords is refused here.
+    """
+
+    def register(step: SdeStep) -> SdeStep:
+        takes = _keywords(step)
+        missing = [] if takes is None else [k for k in _DRAW_KEYWORDS if k not in takes]
+        if missing:
+            raise TypeError(f"SDE step {name!r} ({step.__qualname__}) must take the keywords {', '.join(missing)}")
+        return add_to_registry(SDE_STEPS, name, step, "SDE step")
+
+    return register
+
+
+@functools.cache
+def _keywords(step: SdeStep) -> frozenset[str] | None:
+    """The keyword arguments ``step`` takes (None: any, it has ``**kwargs``)."""
+    params = inspect.signature(step).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _takes(step: SdeStep, keyword: str) -> bool:
+    takes = _keywords(step)
+    return takes is None or keyword in takes
+
+
+def get_sde_step(kind: str, log_prob: LogProb = "exact") -> SdeStep:
+    """The step registered as ``kind``; refuses an unknown kind (naming the registered ones) and ``log_prob`` other
+    than ``"exact"`` for a kind that does not take it (Flow-GRPO's squared error is a cps convention)."""
+    if kind not in SDE_STEPS:
+        raise ValueError(f"sampler kind must be one of {', '.join(SDE_STEPS)} (the registered SDE steps), got {kind!r}")
+    step = SDE_STEPS[kind]
+    if log_prob != "exact" and not _takes(step, "log_prob"):
+        able = " / ".join(name for name, other in SDE_STEPS.items() if _takes(other, "log_prob"))
+        raise ValueError(
+            f"log_prob={log_prob!r} is Flow-GRPO's convention for the {able} step only; "
+            f"use log_prob='exact' with {kind!r}"
+        )
+    return step
+
+
+@register_sde_step("euler_maruyama")
 def euler_maruyama_step(
     v: Tensor,
     x: Tensor,
@@ -114,6 +183,7 @@ def euler_maruyama_step(
     return make_transition(x, mean, std, g, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
 
 
+@register_sde_step("cps")
 def cps_step(
     v: Tensor,
     x: Tensor,
@@ -149,6 +219,7 @@ def cps_step(
     )
 
 
+@register_sde_step("langevin")
 def langevin_step(
     v: Tensor,
     x: Tensor,
@@ -229,9 +300,6 @@ def langevin_correction(
     )
 
 
-SDE_KINDS = ("euler_maruyama", "cps", "langevin")
-
-
 def sde_step(
     kind: str,
     v: Tensor,
@@ -251,22 +319,22 @@ def sde_step(
     reduce: Reduce = "mean",
     log_prob: LogProb = "exact",
 ) -> Transition:
-    """Dispatch to the step named by a config's ``sampler.kind``; options a kind does not use are ignored, except
-    ``log_prob="squared_error"``, which only ``cps`` supports."""
-    draw = {"noise": noise, "generator": generator, "prev_sample": prev_sample, "reduce": reduce}
-    if log_prob != "exact" and kind != "cps":
-        raise ValueError(
-            f"log_prob={log_prob!r} is Flow-GRPO's convention for the cps step only; use log_prob='exact' with {kind!r}"
-        )
-    if kind == "euler_maruyama":
-        return euler_maruyama_step(
-            v, x, t, t_next, noise_level=noise_level, diffusion=diffusion, t_second=t_second, **draw
-        )
-    if kind == "cps":
-        return cps_step(v, x, t, t_next, noise_level=noise_level, log_prob=log_prob, **draw)
-    if kind == "langevin":
-        return langevin_step(
-            v, x, t, t_next, noise_level=noise_level, score_eval=score_eval, velocity_fn=velocity_fn,
-            diffusion=diffusion, t_second=t_second, kappa=kappa, **draw,
-        )  # fmt: skip
-    raise ValueError(f"sampler kind must be one of {SDE_KINDS}, got {kind!r}")
+    """The step registered as ``kind`` (a config's ``sampler.kind``, see :func:`register_sde_step`), given the
+    options its signature names; the others are ignored, except ``log_prob`` other than ``"exact"``, which the kind
+    must take (only ``cps`` does). Same arguments, same draw: a registered step sees exactly what a direct call would.
+    """
+    step = get_sde_step(kind, log_prob)
+    options = {
+        "noise_level": noise_level,
+        "diffusion": diffusion,
+        "score_eval": score_eval,
+        "velocity_fn": velocity_fn,
+        "t_second": t_second,
+        "kappa": kappa,
+        "noise": noise,
+        "generator": generator,
+        "prev_sample": prev_sample,
+        "reduce": reduce,
+        "log_prob": log_prob,
+    }
+    return step(v, x, t, t_next, **{name: value for name, value in options.items() if _takes(step, name)})
