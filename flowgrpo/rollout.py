@@ -6,26 +6,35 @@ Everything model-specific goes through the adapter; everything stochastic throug
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from samplers import (
+    MULTISTEP_SOLVERS,
     Transition,
     compress_schedule,
+    get_sde_step,
+    get_solver,
     mixgrpo_tail_schedule,
     ode_step,
     sde_step,
-    solver_step,
     truncated_timesteps,
 )
+from samplers.solvers import SolverHistory
 
 from .adapters import PipelineAdapter, PromptEmbeds
-from .config import SamplerConfig
+
+if TYPE_CHECKING:
+    from .config import SamplerConfig  # a type hint only: config imports modules that import this one
+
+VelocityFn = Callable[[Tensor, Tensor], Tensor]  # v(x, sigma)
+StepFn = Callable[[Tensor, Tensor, Tensor, Tensor], Transition]  # (v, x, t, t_next): sde_step with its options bound
 
 
 @dataclass
@@ -131,6 +140,77 @@ def _velocity_fn(adapter: PipelineAdapter, embeds: PromptEmbeds, sampler: Sample
     return lambda y, s: adapter.velocity(y, s, embeds, guidance_scale, timestep=truncated_timesteps(s))
 
 
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What every step of a rollout does, resolved once from the sampler options (:func:`plan_rollout`).
+
+    The schedule's ``S`` steps run in three consecutive parts, ``k`` = the window's start (0 without a window):
+
+    prefix ``range(0, k)``       Euler ODE steps, run once per group of the batch when ``share_prefix``
+    window ``range(k, k + W)``   SDE steps (``sampler.kind``), stored and trained
+    tail   ``range(k + W, S)``   ``tail_solver`` steps; with ``last_step_sde`` the final one (into t = 0) is an SDE
+                                 step instead, never stored (Flow-GRPO), and ``tail`` stops before it
+
+    sigmas:        [S + 1] the schedule the steps follow; a multistep tail solver integrates a thinned tail
+                   (MixGRPO-Flash), so ``S`` may be less than ``sampler.num_steps``
+    t_second:      the uncompressed schedule's second sigma (Flow-GRPO's diffusion at t = 1)
+    carry_history: record the solver history ``(x0_hat, t)`` at every prefix and window step, so the tail's first
+                   step is already second order (MixGRPO-Flash's DPMState)
+    share_prefix:  asked for (``same_initial_noise``, ``shared_prefix``, k > 0); :func:`_prefix_rows` checks the noise
+    """
+
+    sigmas: Tensor
+    t_second: float
+    prefix: range
+    window: range
+    tail: range
+    tail_solver: str
+    last_step_sde: bool
+    carry_history: bool
+    share_prefix: bool
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.sigmas) - 1
+
+
+def plan_rollout(sampler: SamplerConfig, window: range, sigmas: Tensor) -> RolloutPlan:
+    """Check the options against ``window`` and resolve them on the schedule ``sigmas`` ``[T + 1]`` (the adapter's,
+    or the static shifted one with ``sampler.time_shift``). Pure: no model call, nothing drawn."""
+    if window.step != 1:
+        raise ValueError(f"window must be a range of consecutive steps, got {window}")
+    if window and (window.start < 0 or window.stop > sampler.num_steps - 1):
+        raise ValueError(f"window {window} must lie within steps 0..{sampler.num_steps - 2} (the last is ODE)")
+    if sampler.last_step not in ("ode", "sde"):
+        raise ValueError(f"sampler.last_step must be 'ode' or 'sde', got {sampler.last_step!r}")
+    solver = sampler.post_window.solver
+    if sampler.last_step == "sde" and solver != "euler":
+        raise ValueError("sampler.last_step='sde' needs post_window.solver='euler' (the solver owns the final step)")
+    get_solver(solver)
+    last_step_sde = sampler.last_step == "sde"
+    if window or last_step_sde:
+        get_sde_step(sampler.kind, sampler.log_prob)  # an unknown kind is refused before any network call
+    start, stop = (window.start, window.stop) if window else (0, 0)
+    t_second = float(sigmas[1])
+    multistep = solver in MULTISTEP_SOLVERS
+    if multistep and sampler.time_shift is not None:  # MixGRPO-Flash's own tail: a new grid, uniform in t
+        sigmas = mixgrpo_tail_schedule(sigmas, stop, sampler.post_window.ratio, sampler.time_shift)
+    elif multistep:  # the pipeline's schedule: a subset of its own sigmas
+        sigmas = compress_schedule(sigmas, stop, sampler.post_window.ratio)
+    num_steps = len(sigmas) - 1
+    return RolloutPlan(
+        sigmas=sigmas,
+        t_second=t_second,
+        prefix=range(0, start),
+        window=range(start, stop),
+        tail=range(stop, num_steps - 1 if last_step_sde else num_steps),
+        tail_solver=solver,
+        last_step_sde=last_step_sde,
+        carry_history=multistep and sampler.post_window.carry_history,
+        share_prefix=sampler.shared_prefix and sampler.same_initial_noise and start > 0,
+    )
+
+
 @torch.no_grad()
 def rollout(
     adapter: PipelineAdapter,
@@ -155,90 +235,33 @@ def rollout(
     ``sampler.last_step == "sde"``). ``sampler.time_shift`` replaces the pipeline's schedule by the static one.
     With ``sampler.same_initial_noise`` and ``sampler.shared_prefix``, the ODE steps before the window run once per
     group of the batch (its images' latents are identical there) and fan out at the window. ``sources`` (editing):
-    each prompt's source image (a file path or PIL image), encoded once and carried in the trajectory's embeddings."""
+    each prompt's source image (a file path or PIL image), encoded once and carried in the trajectory's embeddings.
+    The parts of the schedule: :class:`RolloutPlan`."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")
     group_ids = torch.as_tensor(list(group_ids) if not isinstance(group_ids, Tensor) else group_ids)
     if group_ids.shape != (len(prompts),):
         raise ValueError(f"group_ids must have one id per prompt ({len(prompts)}), got shape {tuple(group_ids.shape)}")
-    if window and (window.start < 0 or window.stop > sampler.num_steps - 1):
-        raise ValueError(f"window {window} must lie within steps 0..{sampler.num_steps - 2} (the last is ODE)")
-    if sampler.last_step not in ("ode", "sde"):
-        raise ValueError(f"sampler.last_step must be 'ode' or 'sde', got {sampler.last_step!r}")
-    if sampler.last_step == "sde" and sampler.post_window.solver != "euler":
-        raise ValueError("sampler.last_step='sde' needs post_window.solver='euler' (the solver owns the final step)")
-    embeds = adapter.encode_conditions(prompts, with_negative=adapter.needs_negative(sampler.guidance_scale),
-                                       sources=sources, height=height, width=width)  # fmt: skip
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width, time_shift=sampler.time_shift)
-    t_second = float(sigmas[1])
-    after = window.stop if window else 0
-    multistep = sampler.post_window.solver == "dpmpp_2m"
-    if multistep and sampler.time_shift is not None:  # MixGRPO-Flash's own tail: a new grid, uniform in t
-        sigmas = mixgrpo_tail_schedule(sigmas, after, sampler.post_window.ratio, sampler.time_shift)
-    elif multistep:  # the pipeline's schedule: a subset of its own sigmas
-        sigmas = compress_schedule(sigmas, after, sampler.post_window.ratio)
-    final = len(sigmas) - 2  # index of the step into t = 0
-    if initial_latents is None:
-        x = adapter.initial_noise(
-            len(prompts), height, width, generator=generator, group_ids=group_ids,
-            same_within_group=sampler.same_initial_noise, noise_seed=noise_seed,
-        )  # fmt: skip
-    else:
-        expected = (len(prompts), *adapter.latent_shape(height, width))
-        if tuple(initial_latents.shape) != expected:
-            raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
-        x = initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
-
+    plan = plan_rollout(sampler, window, sigmas)
     gs = sampler.guidance_scale
+    embeds = adapter.encode_conditions(
+        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    )
+    x = _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
     velocity_fn = _velocity_fn(adapter, embeds, sampler, gs)
-    carry = multistep and sampler.post_window.carry_history
-    before, after_, log_probs, stds = [], [], [], []
-    history = None  # multistep state of the post-window solver
-    prefix = window.start if window else 0  # the deterministic ODE steps before the window
-    rows = None
-    if sampler.shared_prefix and sampler.same_initial_noise and prefix > 0:
-        rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None)
-    if rows is not None:
-        # Shared prefix: a group's images have the same prompt and noise, so steps 0..k-1 (ODE) give them the same
-        # latents. The loop runs them once per group of this batch, batched over its groups, and fans out at the window.
-        unique, fan_out = rows
-        prefix_fn = _velocity_fn(adapter, embeds.select(unique), sampler, gs)
-        x = x[unique.to(x.device)]
-    for i in tqdm(range(len(sigmas) - 1), desc="sampling", disable=not progress, leave=False):
-        t, t_next = sigmas[i], sigmas[i + 1]
-        if rows is not None and i == prefix:  # fan out: every image continues from its group's latents
-            x = x[fan_out.to(x.device)]
-            if history is not None:
-                history = (history[0][fan_out.to(history[0].device)], history[1])
-        v = (prefix_fn if rows is not None and i < prefix else velocity_fn)(x, t)
-        if carry and i < after:
-            # MixGRPO-Flash's DPMState also records the x0 of every step up to the window's end, so the solver's
-            # first step after the window is already second order.
-            history = (x.float() - t.float() * v.float(), torch.as_tensor(t))
-        if i in window:
-            step = sde_step(
-                sampler.kind, v, x, t, t_next, t_second=t_second, velocity_fn=velocity_fn, generator=generator,
-                reduce=log_prob_reduce, **_step_kwargs(sampler),
-            )  # fmt: skip
-            before.append(x)
-            after_.append(step.sample)
-            log_probs.append(step.log_prob)
-            std = step.std.float()  # one per step ([]) or per sample ([B, 1, ...])
-            stds.append(std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(prompts)))
-            x = step.sample
-        elif i == final and sampler.last_step == "sde":
-            # Flow-GRPO samples its final step with the SDE as well; it is never trained, so nothing is stored.
-            x = sde_step(
-                sampler.kind, v, x, t, t_next, t_second=t_second, velocity_fn=velocity_fn, generator=generator,
-                reduce=log_prob_reduce, **_step_kwargs(sampler),
-            ).sample  # fmt: skip
-        elif i >= after:
-            x, history = solver_step(sampler.post_window.solver, v, x, t, t_next, history)
-        else:
-            x = ode_step(v, x, t, t_next)
+    sde_options = {"t_second": plan.t_second, "velocity_fn": velocity_fn, "generator": generator}
+    sde = functools.partial(sde_step, sampler.kind, reduce=log_prob_reduce, **sde_options, **_step_kwargs(sampler))
+    rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None) if plan.share_prefix else None
+    prefix_velocity = velocity_fn if rows is None else _velocity_fn(adapter, embeds.select(rows[0]), sampler, gs)
+    with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
+        x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
+        x, history, stored = _window(plan, velocity_fn, sde, x, history, bar)  # SDE, stored
+        x = _tail(plan, velocity_fn, sde, x, history, bar)  # the post-window solver; the final SDE step
 
-    window_idx = list(window)
+    before, after, log_probs, stds = stored
+    window_idx = list(plan.window)
     n = len(prompts)
     latent_shape = tuple(x.shape[1:])
     stack = lambda items: torch.stack(items, dim=1) if items else x.new_zeros((n, 0, *latent_shape))  # noqa: E731
@@ -248,13 +271,13 @@ def rollout(
         group_ids=group_ids,
         embeds=embeds,
         latents=stack(before),
-        next_latents=stack(after_),
+        next_latents=stack(after),
         log_probs=torch.stack(log_probs, dim=1) if log_probs else torch.zeros(n, 0),
         stds=torch.stack(stds, dim=1) if stds else torch.zeros(n, 0),
-        sigmas=per_sample(sigmas[window_idx]),
-        sigmas_next=per_sample(sigmas[[i + 1 for i in window_idx]]),
+        sigmas=per_sample(plan.sigmas[window_idx]),
+        sigmas_next=per_sample(plan.sigmas[[i + 1 for i in window_idx]]),
         step_indices=per_sample(torch.tensor(window_idx, dtype=torch.long)),
-        t_second=t_second,
+        t_second=plan.t_second,
         guidance_scale=gs,
         height=height,
         width=width,
@@ -262,6 +285,105 @@ def rollout(
         images=adapter.decode(x, height, width) if decode else None,
         metadata=list(metadata) if metadata is not None else [],
     )
+
+
+def _initial_latents(
+    adapter: PipelineAdapter,
+    sampler: SamplerConfig,
+    group_ids: Tensor,
+    initial_latents: Tensor | None,
+    generator: torch.Generator | None,
+    height: int,
+    width: int,
+    noise_seed: int,
+) -> Tensor:
+    """The caller's ``initial_latents`` (shape-checked), else noise drawn by the adapter (``same_initial_noise``: one
+    draw per group)."""
+    n = len(group_ids)
+    if initial_latents is None:
+        return adapter.initial_noise(
+            n, height, width, generator=generator, group_ids=group_ids,
+            same_within_group=sampler.same_initial_noise, noise_seed=noise_seed,
+        )  # fmt: skip
+    expected = (n, *adapter.latent_shape(height, width))
+    if tuple(initial_latents.shape) != expected:
+        raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
+    return initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
+
+
+def _record(plan: RolloutPlan, x: Tensor, t: Tensor, v: Tensor, history: SolverHistory) -> SolverHistory:
+    """MixGRPO-Flash's DPMState records ``(x0_hat, t)`` at every step up to the window's end, so the solver's first
+    step after the window is already second order; otherwise the history is left as it is."""
+    if not plan.carry_history:
+        return history
+    return x.float() - t.float() * v.float(), torch.as_tensor(t)
+
+
+def _prefix(
+    plan: RolloutPlan, velocity_fn: VelocityFn, x: Tensor, rows: tuple[Tensor, Tensor] | None, bar: tqdm
+) -> tuple[Tensor, SolverHistory]:
+    """The Euler ODE steps before the window, ``x + dt · v``. With ``rows = (unique, fan_out)`` (a shared prefix,
+    :func:`_prefix_rows`) they run on one row per group, a group's images having the same prompt and noise and so the
+    same latents until the window (``velocity_fn`` is then the unique rows' one), and every image continues from its
+    group's latents (and solver history) at the window."""
+    history: SolverHistory = None
+    if rows is not None:
+        x = x[rows[0].to(x.device)]
+    for i in plan.prefix:
+        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
+        v = velocity_fn(x, t)
+        history = _record(plan, x, t, v, history)
+        x = ode_step(v, x, t, t_next)
+        bar.update()
+    if rows is not None:
+        fan_out = rows[1]
+        x = x[fan_out.to(x.device)]
+        if history is not None:
+            history = (history[0][fan_out.to(history[0].device)], history[1])
+    return x, history
+
+
+def _window(
+    plan: RolloutPlan,
+    velocity_fn: VelocityFn,
+    sde: StepFn,
+    x: Tensor,
+    history: SolverHistory,
+    bar: tqdm,
+) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
+    """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
+    stds)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``)."""
+    before, after, log_probs, stds = [], [], [], []
+    for i in plan.window:
+        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
+        v = velocity_fn(x, t)
+        history = _record(plan, x, t, v, history)
+        step = sde(v, x, t, t_next)
+        before.append(x)
+        after.append(step.sample)
+        log_probs.append(step.log_prob)
+        std = step.std.float()
+        stds.append(std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(x)))
+        x = step.sample
+        bar.update()
+    return x, history, (before, after, log_probs, stds)
+
+
+def _tail(
+    plan: RolloutPlan, velocity_fn: VelocityFn, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm
+) -> Tensor:
+    """The steps after the window: the post-window solver's (from the carried history, if any); then, with
+    ``last_step_sde``, the final step with the SDE, as Flow-GRPO samples it (never trained: nothing is stored)."""
+    solver = get_solver(plan.tail_solver)
+    for i in plan.tail:
+        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
+        x, history = solver(velocity_fn(x, t), x, t, t_next, history)
+        bar.update()
+    if plan.last_step_sde:
+        t, t_next = plan.sigmas[plan.num_steps - 1], plan.sigmas[plan.num_steps]
+        x = sde(velocity_fn(x, t), x, t, t_next).sample
+        bar.update()
+    return x
 
 
 def _prefix_rows(prompts: list[str], group_ids: Tensor, x: Tensor, *, drawn: bool) -> tuple[Tensor, Tensor] | None:
