@@ -109,7 +109,8 @@ def register_sde_step(name: str) -> Callable[[SdeStep], SdeStep]:
     """Register ``step`` as the SDE step kind ``name`` (``sampler.kind: name``, dispatched by :func:`sde_step`).
 
     ``step(v, x, t, t_next, *, noise_level, noise, generator, prev_sample, reduce, ...) -> Transition``: a pure
-    function that draws ``sample`` (or takes ``prev_sample``) and scores it. It may take any other option of
+    function that draws ``sample`` (or takes ``prev_sample``) and scores it; ``t`` / ``t_next`` are floats, 0-d or
+    per-sample ``[B]`` tensors (re-scoring a micro-batch passes each sample's). It may take any other option of
     :func:`sde_step` by name (``diffusion``, ``t_second``, ``score_eval``, ``velocity_fn``, ``kappa``, ``log_prob``);
     sde_step passes it those its signature names. A step without one of the draw keywords is refused here.
     """

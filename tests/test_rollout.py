@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from flowgrpo.adapters import make_adapter, unwrap
-from flowgrpo.config import PostWindowConfig, SamplerConfig
+from flowgrpo.config import ConfigError, PostWindowConfig, SamplerConfig, load_config
 from flowgrpo.pipelines import load_pipeline
-from flowgrpo.rollout import evaluate_transitions, rollout
+from flowgrpo.rollout import evaluate_transitions, plan_rollout, rollout, stored_log_probs
 from flowgrpo.tiny import build_tiny_pipeline
+from samplers import SDE_STEPS, euler_maruyama_step, register_sde_step
 
 SIZE = 32
 GUIDANCE = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0}  # SD3 with CFG, FLUX its guidance embedding, Qwen true CFG
@@ -224,8 +225,6 @@ def test_per_sample_shuffled_steps_rescore_exactly(kind):
     steps = torch.tensor([4, 0, 2, 1])
     with torch.no_grad():
         again = evaluate_transitions(adapter, traj, steps, sampler)
-    from flowgrpo.rollout import stored_log_probs
-
     expected = stored_log_probs(traj, steps)
     assert torch.equal(expected, torch.stack([traj.log_probs[i, int(steps[i])] for i in range(4)]))
     torch.testing.assert_close(again.log_prob, expected, rtol=1e-6, atol=1e-6)
@@ -272,3 +271,75 @@ def test_flux_without_guidance_embedding_like_schnell_matches_pipe_and_rescores_
     for j in range(3):
         with torch.no_grad():
             assert torch.equal(evaluate_transitions(adapter, traj, j, sampler).log_prob, traj.log_probs[:, j])
+
+
+def dance_step(v, x, t, t_next, *, noise_level, noise=None, generator=None, prev_sample=None, reduce="mean"):
+    """A step kind registered from this file: DanceGRPO's constant-diffusion Euler–Maruyama step."""
+    draw = {"noise": noise, "generator": generator, "prev_sample": prev_sample, "reduce": reduce}
+    return euler_maruyama_step(v, x, t, t_next, noise_level=noise_level, diffusion="dance", **draw)
+
+
+def test_a_step_kind_registered_in_a_test_file_samples_rescores_and_validates():
+    """A new ``sampler.kind`` is one registered function: the config accepts it, the rollout samples its window with
+    it (here the same maths as euler_maruyama with the dance diffusion, so the same trajectory bit for bit) and the
+    stored transitions re-score exactly; removed from the registry, the config refuses it again."""
+    register_sde_step("test_dance")(dance_step)
+    try:
+        assert load_config(None, ["sampler.kind=test_dance"]).sampler.kind == "test_dance"
+        adapter = _adapter("sd3")
+        common = {"noise_level": 0.3, "num_steps": 5, "guidance_scale": GUIDANCE["sd3"]}
+        sampler = SamplerConfig(kind="test_dance", **common)
+        trajectories = [
+            rollout(adapter, PROMPTS, [0, 1, 1, 2], s, range(1, 3), torch.Generator().manual_seed(1), height=SIZE,
+                    width=SIZE, decode=False)
+            for s in (sampler, SamplerConfig(kind="euler_maruyama", diffusion="dance", **common))
+        ]  # fmt: skip
+        traj, reference = trajectories
+        assert torch.equal(traj.log_probs, reference.log_probs)
+        assert torch.equal(traj.final_latents, reference.final_latents)
+        with torch.no_grad():
+            for position in (0, 1, torch.tensor([1, 0, 0, 1])):
+                again = evaluate_transitions(adapter, traj, position, sampler).log_prob
+                assert torch.equal(again, stored_log_probs(traj, position))
+    finally:
+        del SDE_STEPS["test_dance"]
+    with pytest.raises(ConfigError, match="sampler.kind must be one of euler_maruyama, cps, langevin"):
+        load_config(None, ["sampler.kind=test_dance"])
+
+
+FLASH = {"post_window": PostWindowConfig(solver="dpmpp_2m", ratio=0.4)}  # 5 steps after the window -> int(5 · 0.4)
+
+
+@pytest.mark.parametrize(
+    ("window", "options", "parts"),
+    [
+        (range(2, 5), {}, (range(0, 2), range(2, 5), range(5, 10))),
+        (range(0, 0), {}, (range(0, 0), range(0, 0), range(0, 10))),
+        (range(0, 9), {"last_step": "sde"}, (range(0, 0), range(0, 9), range(9, 9))),
+        (range(3, 5), {"last_step": "sde"}, (range(0, 3), range(3, 5), range(5, 9))),
+        (range(2, 5), FLASH, (range(0, 2), range(2, 5), range(5, 7))),
+    ],
+)
+def test_the_plan_splits_the_schedule_into_prefix_window_and_tail(window, options, parts):
+    sampler = SamplerConfig(num_steps=10, same_initial_noise=True, **options)
+    sigmas = torch.linspace(1, 0, 11)
+    plan = plan_rollout(sampler, window, sigmas)
+    assert (plan.prefix, plan.window, plan.tail) == parts
+    assert plan.num_steps == parts[2].stop + plan.last_step_sde == len(plan.sigmas) - 1
+    assert plan.share_prefix == (len(parts[0]) > 0) and plan.t_second == float(sigmas[1])
+    assert torch.equal(plan.sigmas[: window.stop + 1], sigmas[: window.stop + 1])
+
+
+def test_the_plan_refuses_bad_options_before_any_network_call():
+    sigmas = torch.linspace(1, 0, 7)
+    for sampler, window, match in [
+        (SamplerConfig(num_steps=6), range(0, 6), "within steps 0..4"),
+        (SamplerConfig(num_steps=6), range(0, 4, 2), "consecutive"),
+        (SamplerConfig(num_steps=6, kind="ddim"), range(0, 2), "euler_maruyama, cps, langevin"),
+        (SamplerConfig(num_steps=6, post_window=PostWindowConfig(solver="rk4")), range(0, 2), "euler, dpmpp_2m"),
+        (SamplerConfig(num_steps=6, last_step="sde", post_window=PostWindowConfig(solver="dpmpp_2m")), range(0, 2),
+         "last_step='sde'"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            plan_rollout(sampler, window, sigmas)
+    plan_rollout(SamplerConfig(num_steps=6, kind="ddim"), range(0, 0), sigmas)  # no SDE step: the kind is unused

@@ -9,15 +9,25 @@ import torch
 from gaussian_data import gaussian_velocity, uniform_sigmas
 from torch.distributions import Normal, kl_divergence
 
+import samplers
 from samplers import (
+    MULTISTEP_SOLVERS,
+    SDE_KINDS,
+    SOLVERS,
+    Transition,
     cps_step,
     euler_maruyama_step,
     flowgrpo_diffusion,
     gaussian_kl,
     gaussian_log_prob,
+    integrate_ode,
     langevin_correction,
     langevin_step,
     ode_step,
+    register_sde_step,
+    register_solver,
+    sde_step,
+    solver_step,
     transition_kl,
 )
 
@@ -313,3 +323,78 @@ def test_bad_inputs_raise_clear_errors():
         ode_step(v, x, torch.tensor([0.5, 0.5, 0.5]), 0.4)
     with pytest.raises(ValueError, match="reduce"):
         gaussian_log_prob(x, x, 1.0, reduce="max")
+
+
+# ------------------------------------------------------------------ registries: a new kind is one registered function
+def noisy_euler_step(v, x, t, t_next, *, noise_level, noise=None, generator=None, prev_sample=None, reduce="mean"):
+    """A step kind written in a test file: the Euler step plus Brownian noise, ``x + dt · v + a · sqrt(Δ) · z``.
+    Times are floats or per-sample ``[B]`` tensors (re-scoring a batch passes each sample's)."""
+    t, t_next = (torch.as_tensor(s, dtype=torch.float32).reshape(-1, *[1] * (x.ndim - 1)) for s in (t, t_next))
+    mean = x.float() + (t_next - t) * v.float()
+    std = noise_level * torch.sqrt(t - t_next)
+    if prev_sample is None:
+        z = noise if noise is not None else torch.randn(x.shape, generator=generator)
+        prev_sample = mean + std * z
+    sample = prev_sample.to(x.dtype)
+    return Transition(sample, mean, std, gaussian_log_prob(sample, mean, std, reduce), std)
+
+
+def test_a_step_kind_registered_in_a_test_file_is_dispatched_by_sde_step():
+    v, x = _inputs((3, 4, 4))
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    register_sde_step("test_noisy_euler")(noisy_euler_step)
+    try:
+        assert "test_noisy_euler" in SDE_KINDS  # a live view: config validation accepts it while registered
+        # Options it does not take (diffusion, kappa, velocity_fn...) are not passed to it.
+        got = sde_step("test_noisy_euler", v, x, 0.6, 0.4, noise_level=0.5, noise=z, diffusion="dance", kappa=0.1,
+                       t_second=0.9, velocity_fn=velocity, reduce="sum")  # fmt: skip
+        direct = noisy_euler_step(v, x, 0.6, 0.4, noise_level=0.5, noise=z, reduce="sum")
+        assert torch.equal(got.sample, direct.sample) and torch.equal(got.log_prob, direct.log_prob)
+        again = sde_step("test_noisy_euler", v, x, 0.6, 0.4, noise_level=0.5, prev_sample=got.sample, reduce="sum")
+        assert torch.equal(again.log_prob, got.log_prob)
+        torch.testing.assert_close(got.log_prob, Normal(got.mean, got.std).log_prob(got.sample).sum(dim=(1, 2)))
+        with pytest.raises(ValueError, match="convention for the cps step only"):  # it takes no log_prob
+            sde_step("test_noisy_euler", v, x, 0.6, 0.4, noise_level=0.5, log_prob="squared_error")
+        with pytest.raises(ValueError, match="already registered"):
+            register_sde_step("test_noisy_euler")(lambda *a, **k: None)
+    finally:
+        del samplers.SDE_STEPS["test_noisy_euler"]
+    assert "test_noisy_euler" not in SDE_KINDS
+    with pytest.raises(ValueError, match="test_noisy_euler"):
+        sde_step("test_noisy_euler", v, x, 0.6, 0.4, noise_level=0.5)
+
+
+def test_an_unknown_step_kind_is_refused_with_the_registered_names():
+    v, x = _inputs((2, 4))
+    with pytest.raises(ValueError, match="got 'ddim'") as error:
+        sde_step("ddim", v, x, 0.6, 0.4, noise_level=0.7)
+    assert all(name in str(error.value) for name in ("euler_maruyama", "cps", "langevin"))
+    assert list(SDE_KINDS) == ["euler_maruyama", "cps", "langevin"]  # registration order: the config's message
+
+
+def test_a_step_without_the_draw_keywords_is_refused_at_registration():
+    def no_prev_sample(v, x, t, t_next, *, noise_level, noise=None, generator=None, reduce="mean"):
+        return None
+
+    with pytest.raises(TypeError, match="prev_sample"):
+        register_sde_step("test_incomplete")(no_prev_sample)
+    assert "test_incomplete" not in SDE_KINDS
+
+
+def test_a_solver_registered_in_a_test_file_is_dispatched_by_solver_step_and_integrate_ode():
+    def counting_euler(v, x, t, t_next, history=None):  # Euler, counting its steps in the history
+        return ode_step(v, x, t, t_next), (history or 0) + 1
+
+    v, x = _inputs((2, 4))
+    sigmas = torch.tensor([1.0, 0.7, 0.3, 0.0])
+    register_solver("test_euler", multistep=True)(counting_euler)
+    try:
+        assert "test_euler" in SOLVERS and "test_euler" in MULTISTEP_SOLVERS
+        assert solver_step("test_euler", v, x, 0.6, 0.4, history=2)[1] == 3
+        fn = lambda y, s: 0.5 * y  # noqa: E731
+        assert torch.equal(integrate_ode(fn, x, sigmas, "test_euler"), integrate_ode(fn, x, sigmas, "euler"))
+    finally:
+        del samplers.SOLVER_STEPS["test_euler"]
+        samplers.MULTISTEP_SOLVERS.discard("test_euler")
+    with pytest.raises(ValueError, match="euler, dpmpp_2m .*got 'test_euler'"):
+        solver_step("test_euler", v, x, 0.6, 0.4)
