@@ -7,6 +7,9 @@ VAE decode, LoRA, save / load) runs on a CPU in milliseconds. Nothing is downloa
 are built from open_clip's bundled CLIP BPE merges, the Qwen2 tokenizer from a byte-level BPE trained here on
 a fixed word list, and the weights are random (seeded).
 
+Each family's spec (``flowgrpo/adapters/<family>.py``) names its builder here, ``(seed, vae) -> components``
+(``tiny="flowgrpo.tiny:flux_components"``); :func:`build_tiny_pipeline` puts them into the spec's pipeline class.
+
 Key sizes (see ``TINY_SIZES``):
 
 - VAE scale factor 2 (``block_out_channels=(8, 16)``): a 64x64 image is a 32x32 latent.
