@@ -23,12 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from .adapters import PipelineAdapter, build_adapter, family
-from .checkpoint import CheckpointError, check_model_matches, load_adapter_weights, read_weights
+from .checkpoint import (
+    CheckpointError,
+    Shapes,
+    check_checkpoint_fits,
+    load_adapter_weights,
+    model_lora_shapes,
+    read_weights,
+)
 from .config import Config, load_config
 from .pipelines import detect_kind, load_pipeline, resolve_source, tiny_sources
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
-Shapes = dict[str, tuple[int, ...]]
 
 
 # ---------------------------------------------------------------------------- which config, which model
@@ -74,25 +80,8 @@ def model_kind(config: Config) -> str:
 
 
 # ---------------------------------------------------------------------------- the checkpoint must fit the model
-def saved_lora_shapes(checkpoint: Path, *, ema: bool = False) -> Shapes:
-    """Names and shapes of a checkpoint's adapter (or EMA) weights, read from the file header only."""
-    from safetensors import safe_open
-
-    file = Path(checkpoint) / ("ema.safetensors" if ema else "adapter.safetensors")
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    except Exception as err:  # safetensors raises its own error types for damaged headers
-        raise CheckpointError(f"{file} is not a readable safetensors file ({err}); the checkpoint is damaged") from None
-
-
-def model_lora_shapes(model: Any) -> Shapes:
-    """Names (as checkpoints save them) and shapes of a model's LoRA weights."""
-    from peft import get_peft_model_state_dict
-
-    return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(model).items()}
-
-
+# The checks themselves (names and shapes, what the weights were trained on) are flowgrpo.checkpoint.compat's,
+# shared with resuming; what export adds is the model's expected LoRA shapes without loading its weights.
 def expected_lora_shapes(config: Config) -> Shapes:
     """The LoRA weights ``config.model`` would have, from its transformer's config alone (no weights are read)."""
     from accelerate import init_empty_weights
@@ -130,36 +119,6 @@ def _empty_transformer(source: str, kind: str) -> Any:
         raise CheckpointError(f"model.pretrained={source!r}: cannot read its transformer/config.json ({err})") from None
 
 
-def check_lora_fits(checkpoint: Path, config: Config, expected: Shapes, saved: Shapes) -> None:
-    """Refuse a checkpoint whose LoRA weights are not exactly the model's: another model family or size, or
-    other ``model.lora`` settings. (diffusers' ``load_lora_weights`` loads whatever names happen to match.)"""
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    reshaped = sorted(k for k in set(expected) & set(saved) if expected[k] != saved[k])
-    if not (missing or unexpected or reshaped):
-        return
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} of the model's {len(expected)} LoRA weights are not in the checkpoint "
-                        f"(e.g. {missing[0]})")  # fmt: skip
-    if unexpected:
-        problems.append(
-            f"{len(unexpected)} of the checkpoint's {len(saved)} are not in the model (e.g. {unexpected[0]})"
-        )
-    if reshaped:
-        key = reshaped[0]
-        problems.append(
-            f"{len(reshaped)} differ in shape (e.g. {key}: {saved[key]} saved, {expected[key]} in the model)"
-        )
-    m = config.model
-    raise CheckpointError(
-        f"checkpoint {checkpoint} was not trained on model.pretrained={m.pretrained!r} with model.lora rank "
-        f"{m.lora.rank}, target_modules {m.lora.target_modules!r}: {'; '.join(problems)}. Use the config the "
-        "checkpoint was trained with (leave out --config to read <run>/config.yaml), or set model.pretrained and "
-        "model.lora to the model it was trained on"
-    )
-
-
 def adapter_from_checkpoint(
     config: Config, checkpoint: Path, *, ema: bool = False, device: str = "cpu", dtype: str | None = None
 ) -> PipelineAdapter:
@@ -167,8 +126,7 @@ def adapter_from_checkpoint(
     checkpoint = Path(checkpoint)
     check_checkpoint_dir(checkpoint, ema=ema)
     # Checked before the model's weights are loaded (gigabytes for real models); loading checks the keys again.
-    check_lora_fits(checkpoint, config, expected_lora_shapes(config), saved_lora_shapes(checkpoint, ema=ema))
-    check_model_matches(checkpoint, config)  # same shapes, other meaning: another fine-tune, alpha, targets
+    check_checkpoint_fits(checkpoint, config, expected_lora_shapes(config), ema=ema)
     adapter = build_adapter(config.model, device, dtype)
     load_adapter_weights(adapter.pipe.transformer, checkpoint, ema=ema)
     return adapter
@@ -318,8 +276,7 @@ def export_checkpoint(
     config = config or run_config(checkpoint)
     check_output_dir(out, overwrite=overwrite, kind="pipeline" if merge else "lora", protected=protected_dirs(config),
                      keep=[checkpoint])  # fmt: skip
-    check_lora_fits(checkpoint, config, expected_lora_shapes(config), saved_lora_shapes(checkpoint, ema=ema))
-    check_model_matches(checkpoint, config)  # same shapes, other meaning: another fine-tune, alpha, targets
+    check_checkpoint_fits(checkpoint, config, expected_lora_shapes(config), ema=ema)
     with atomic_dir(out) as tmp:
         if not merge:
             save_diffusers_lora(config, checkpoint, tmp, ema=ema)

@@ -5,19 +5,16 @@ of backward passes per update and tells accelerate which backward is the last of
 (``accelerator.sync_gradients``). Under DeepSpeed the engine then reduces the gradients and steps (clipping
 included) inside that last ``accelerator.backward``; under DDP and FSDP the trainer clips and steps.
 
-Optimizer state is replicated under DDP (one file, written by rank 0) and sharded under ZeRO-2 (DeepSpeed's
-files: a resume needs the same number of processes). Under FSDP2 the LoRA weights are DTensor shards: every
-process takes part in gathering full weights, EMA and optimizer state for a checkpoint (rank 0 writes them),
-and every process runs the same number of forwards (they gather weights: collectives).
+Optimizer state is replicated under DDP and sharded under ZeRO-2. Under FSDP2 the LoRA weights are DTensor
+shards: every process takes part in gathering full tensors (:func:`full_tensor`; a checkpoint's weights, EMA and
+optimizer state) and runs the same number of forwards (they gather weights: collectives). The checkpoint files
+each back-end writes are :mod:`flowgrpo.checkpoint.optimizer`'s; this module imports nothing of the checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,10 +22,6 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from .config import Config, ConfigError
-
-DEEPSPEED_FOLDER = "deepspeed"  # inside a checkpoint: DeepSpeed's own files (trainable weights, optimizer shards)
-DEEPSPEED_TAG = "state"
-FSDP_OPTIMIZER = "optimizer_full.pt"  # FSDP2: whole optimizer state keyed by parameter name
 
 
 def cpu_launch_kwargs() -> dict[str, Any]:
@@ -199,106 +192,3 @@ def zeroed(loss: torch.Tensor) -> torch.Tensor:
     cycle's accumulated gradients that the forward armed (DDP's all-reduce, FSDP2's reduce-scatter); the caller
     then drops them (they may hold NaN)."""
     return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) * 0.0
-
-
-def optimizer_state(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    folder: Path) -> tuple[str, dict[str, Any]] | None:  # fmt: skip
-    """What rank 0 writes for the optimizer: ``(file name, state)``, or None. Every process calls this first in
-    a checkpoint, while all are in step: DeepSpeed writes its own sharded files here (a collective), FSDP2
-    gathers the whole state onto rank 0 (keyed by parameter name), DDP's is replicated."""
-    if is_deepspeed(acc):
-        with _buffers_not_saved(engine(acc).module):
-            engine(acc).save_checkpoint(str(folder / DEEPSPEED_FOLDER), tag=DEEPSPEED_TAG, save_latest=False,
-                                        exclude_frozen_parameters=True)  # fmt: skip
-        return None
-    if is_fsdp(acc):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        if not _inner(optimizer).state:  # no step yet: torch would initialise the state with a dummy step
-            return FSDP_OPTIMIZER, {}
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return FSDP_OPTIMIZER, get_optimizer_state_dict(model, _inner(optimizer), options=options)
-    return "optimizer.pt", optimizer.state_dict() if acc.is_main_process else {}
-
-
-@contextlib.contextmanager
-def _buffers_not_saved(model: torch.nn.Module) -> Iterator[None]:
-    """Leave the module's buffers out of its state dict for a while. DeepSpeed saves persistent buffers with the
-    trainable weights even under ``exclude_frozen_parameters``; nothing trains them, the pipeline rebuilds them,
-    and they can be large (SD3.5's ``pos_embed``: 384² × 1536 floats, 0.9 GB in every checkpoint)."""
-    hidden = [(m, name) for m in model.modules() for name, b in m._buffers.items()
-              if b is not None and name not in m._non_persistent_buffers_set]  # fmt: skip
-    for m, name in hidden:
-        m._non_persistent_buffers_set.add(name)
-    try:
-        yield
-    finally:
-        for m, name in hidden:
-            m._non_persistent_buffers_set.discard(name)
-
-
-def load_optimizer(
-    acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
-) -> None:
-    """Restore what :func:`optimizer_state` saved (after the adapter weights have been loaded). Files are read
-    without running code (``weights_only``); failures are CheckpointErrors naming the file."""
-    from .checkpoint import CheckpointError, load_torch_file
-
-    if is_deepspeed(acc):
-        folder = checkpoint / DEEPSPEED_FOLDER
-        if not folder.is_dir():
-            raise CheckpointError(f"{checkpoint} was not written under DeepSpeed (no {DEEPSPEED_FOLDER}/): resume "
-                                  "it with the launch it was trained with")  # fmt: skip
-        # Trainable weights come back from DeepSpeed's file too (fp32 master weights included).
-        try:
-            with _deepspeed_reads_safely(engine(acc)):
-                path, _ = engine(acc).load_checkpoint(
-                    str(folder), tag=DEEPSPEED_TAG, load_module_strict=False, load_optimizer_states=True,
-                    load_lr_scheduler_states=False,
-                )  # fmt: skip
-        except CheckpointError:
-            raise
-        except (OSError, RuntimeError, KeyError, ValueError, AssertionError) as err:
-            raise CheckpointError(f"DeepSpeed could not load {folder}: {err}; resume with the launch (and number of "
-                                  "processes) the checkpoint was written with") from None  # fmt: skip
-        if path is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {folder}")
-        return
-    file = checkpoint / (FSDP_OPTIMIZER if is_fsdp(acc) else "optimizer.pt")
-    if not file.is_file():
-        raise CheckpointError(f"{file} does not exist: resume with the back-end (DDP, DeepSpeed, FSDP) the "
-                              "checkpoint was written with")  # fmt: skip
-    # Loaded on the CPU (accelerate names a multi-process CPU device "cpu:N", which torch.load rejects);
-    # loading moves the state next to the parameters.
-    state = load_torch_file(file)
-    if is_fsdp(acc):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        if state:  # empty: saved before the first step
-            set_optimizer_state_dict(model, _inner(optimizer), state, options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state)
-
-
-@contextlib.contextmanager
-def _deepspeed_reads_safely(ds_engine: Any) -> Iterator[None]:
-    """DeepSpeed reads its checkpoint files with ``torch.load(weights_only=False)``, which runs whatever code a
-    file's pickle names. Meanwhile its checkpoint engine reads them as :func:`load_torch_file` does: tensors,
-    containers and DeepSpeed's few data classes only."""
-    from .checkpoint import deepspeed_safe_globals, load_torch_file
-
-    reader = ds_engine.checkpoint_engine
-    allowed = deepspeed_safe_globals()
-
-    def safe_load(path: str, map_location: Any = None) -> Any:  # noqa: ARG001 - on the CPU; DeepSpeed moves it
-        return load_torch_file(Path(path), allow=allowed)
-
-    reader.load = safe_load  # this instance only
-    try:
-        yield
-    finally:
-        del reader.load  # back to the class's method
-
-
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    return getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer

@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load_file
 from signal_helper import sigterm_after_epochs
 
-import flowgrpo.checkpoint as checkpoint_module
+import flowgrpo.checkpoint.save as save_module
+import flowgrpo.objectives.clipped as clipped_module
+import flowgrpo.rollouts.chain as chain_module
 import flowgrpo.trainer as trainer_module
-from flowgrpo.checkpoint import CheckpointError, list_checkpoints, read_rng_state, save_checkpoint
+from flowgrpo.checkpoint import CheckpointError, CheckpointParts, list_checkpoints, read_rng_state, save_checkpoint
 from flowgrpo.config import load_config
 from flowgrpo.trainer import GRPOTrainer, StopRequest, TrainingError
 
@@ -30,6 +32,15 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 def _trainer(tmp_path, *overrides):
     return GRPOTrainer(load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "eval.every=0",
                                           *overrides]))  # fmt: skip
+
+
+def _parts(trainer: GRPOTrainer) -> CheckpointParts:
+    """What the trainer hands save_checkpoint / load_checkpoint."""
+    return CheckpointParts(
+        accelerator=trainer.accelerator, transformer=trainer.adapter.transformer, params=trainer.params,
+        optimizer=trainer.optimizer, ema=trainer.ema, state=trainer.state, config=trainer.config,
+        run_dir=trainer.run_dir, family=trainer.adapter.family,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -95,7 +106,7 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
     common = ["train.ema=0.5", "sampler.batch_size=4"]  # 4 rollout batches per epoch
     full = _trainer(tmp_path / "a", "run.epochs=2", *common)
     full.fit()
-    real_rollout, calls = trainer_module.rollout, {"n": 0}
+    real_rollout, calls = chain_module.rollout, {"n": 0}
 
     def signalled_rollout(*args, **kwargs):
         calls["n"] += 1
@@ -106,7 +117,7 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
             part.stop.on_signal(signal.SIGTERM)
         return real_rollout(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "rollout", signalled_rollout)
+    monkeypatch.setattr(chain_module, "rollout", signalled_rollout)
     part = _trainer(tmp_path / "b", "run.epochs=2", *common)
     part.fit()
     assert calls["n"] == 6  # no further rollout, no training in epoch 1
@@ -114,7 +125,7 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
     state = json.loads((checkpoint / "state.json").read_text())
     assert checkpoint.name == "epoch-00001" and state["epoch"] == 1 and state["global_step"] == 2
     assert torch.equal(read_rng_state(checkpoint, 0)["torch"], calls["rng"])
-    monkeypatch.setattr(trainer_module, "rollout", real_rollout)
+    monkeypatch.setattr(chain_module, "rollout", real_rollout)
     resumed = _trainer(tmp_path / "b", "run.epochs=2", f"run.resume={part.run_dir}", *common)
     resumed.fit()
     a, b = list_checkpoints(full.run_dir)[-1], list_checkpoints(part.run_dir)[-1]
@@ -127,18 +138,18 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
 
 
 def test_a_signal_during_a_checkpoint_stops_before_the_next_epoch_samples(tmp_path, monkeypatch):
-    real_save, real_rollout, calls = trainer_module.save_checkpoint, trainer_module.rollout, {"rollouts": 0}
+    real_save, real_rollout, calls = trainer_module.save_checkpoint, chain_module.rollout, {"rollouts": 0}
 
-    def signalled_save(trainer, *args, **kwargs):
+    def signalled_save(parts, *args, **kwargs):
         trainer.stop.on_signal(signal.SIGTERM)
-        return real_save(trainer, *args, **kwargs)
+        return real_save(parts, *args, **kwargs)
 
     def counted_rollout(*args, **kwargs):
         calls["rollouts"] += 1
         return real_rollout(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "save_checkpoint", signalled_save)
-    monkeypatch.setattr(trainer_module, "rollout", counted_rollout)
+    monkeypatch.setattr(chain_module, "rollout", counted_rollout)
     trainer = _trainer(tmp_path, "run.epochs=5", "checkpoint.every=1")
     trainer.fit()
     assert calls["rollouts"] == 2  # epoch 0 only (2 rollout batches); that checkpoint is not written again
@@ -146,7 +157,7 @@ def test_a_signal_during_a_checkpoint_stops_before_the_next_epoch_samples(tmp_pa
 
 
 def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypatch):
-    real_loss, calls = trainer_module.grpo_loss, {"n": 0}
+    real_loss, calls = clipped_module.grpo_loss, {"n": 0}
 
     def signalled_loss(*args, **kwargs):
         calls["n"] += 1
@@ -154,7 +165,7 @@ def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypat
             trainer.stop.on_signal(signal.SIGTERM)
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", signalled_loss)
+    monkeypatch.setattr(clipped_module, "grpo_loss", signalled_loss)
     trainer = _trainer(tmp_path, "run.epochs=3", "eval.every=1")
     trainer.fit()
     rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -208,18 +219,18 @@ def test_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, monkey
     def broken_save(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(checkpoint_module, "save_file", broken_save)
+    monkeypatch.setattr(save_module, "save_file", broken_save)
     with pytest.raises(CheckpointError, match=r"cannot write .*epoch-00001/adapter.safetensors: disk full"):
-        save_checkpoint(trainer, 1)  # overwriting the same epoch must not destroy it
+        save_checkpoint(_parts(trainer), 1)  # overwriting the same epoch must not destroy it
     with pytest.raises(CheckpointError, match=r"cannot write .*epoch-00002/adapter.safetensors: disk full"):
-        save_checkpoint(trainer, 2)
+        save_checkpoint(_parts(trainer), 2)
     assert list_checkpoints(trainer.run_dir) == [good]
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
     assert [p.name for p in (trainer.run_dir / "checkpoints").iterdir()] == [good.name]  # no temporary left
 
 
 def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, monkeypatch):
-    real_loss = trainer_module.grpo_loss
+    real_loss = clipped_module.grpo_loss
     calls = {"n": 0}
 
     def sometimes_nan(*args, **kwargs):
@@ -227,7 +238,7 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
         calls["n"] += 1
         return (loss * float("nan"), stats) if calls["n"] == 2 else (loss, stats)
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", sometimes_nan)
+    monkeypatch.setattr(clipped_module, "grpo_loss", sometimes_nan)
     trainer = _trainer(tmp_path, "run.epochs=1")
     before = [p.detach().clone() for p in trainer.params]
     trainer.fit()
@@ -244,12 +255,12 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
         calls["n"] += 1
         return (loss * float("nan"), stats) if calls["n"] == 5 else (loss, stats)
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", nan_on_sync)
+    monkeypatch.setattr(clipped_module, "grpo_loss", nan_on_sync)
     trainer = _trainer(tmp_path, "run.epochs=1")
     trainer.fit()
     assert trainer.state.global_step == 1 and all(p.grad is None for p in trainer.params)
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"),
+    monkeypatch.setattr(clipped_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"),
                                                                       real_loss(*a, **k)[1]))  # fmt: skip
     trainer = _trainer(tmp_path, "run.epochs=1", "run.max_nonfinite_steps=3")
     with pytest.raises(TrainingError, match="3 non-finite losses or gradients in a row"):

@@ -18,10 +18,13 @@ import torch
 import flowgrpo.checkpoint as checkpoint_module
 from flowgrpo.checkpoint import (
     CheckpointError,
+    CheckpointParts,
     RunLock,
     check_model_matches,
     create_run_dir,
     list_checkpoints,
+    lora_mismatch,
+    open_run_dir,
     read_rng_state,
     resolve_resume,
 )
@@ -40,6 +43,15 @@ def _config(output_dir: Path, *overrides: str):
 
 def _trainer(output_dir: Path, *overrides: str) -> GRPOTrainer:
     return GRPOTrainer(_config(output_dir, *overrides))
+
+
+def _parts(trainer: GRPOTrainer) -> CheckpointParts:
+    """What the trainer hands save_checkpoint / load_checkpoint."""
+    return CheckpointParts(
+        accelerator=trainer.accelerator, transformer=trainer.adapter.transformer, params=trainer.params,
+        optimizer=trainer.optimizer, ema=trainer.ema, state=trainer.state, config=trainer.config,
+        run_dir=trainer.run_dir, family=trainer.adapter.family,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +168,32 @@ def test_run_directories_created_at_the_same_instant_are_distinct(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"race-20260101-000000{s}" for s in ("", "-1", "-2", "-3")]
 
 
+def test_open_run_dir_creates_and_locks_a_run_and_refuses_a_second_holder(tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    import flowgrpo.checkpoint.run_dir as run_dir_module
+
+    acc, config = Accelerator(), _config(tmp_path / "runs")
+    path, lock = open_run_dir(acc, config, None)
+    assert path.parent == tmp_path / "runs" and path.name.startswith("tiny-sd3-") and lock is not None and lock.held
+    assert (path / "config.yaml").read_text() == config.to_yaml()
+    with pytest.raises(CheckpointError, match=rf"{path.name} is in use by another training process"):
+        open_run_dir(acc, config, path)
+    lock.release()
+    again, lock = open_run_dir(acc, config, path)  # an existing run (a resume): locked, its config.yaml kept
+    assert again == path and lock.held
+    lock.release()
+    # A failure after creating a new run directory removes it again.
+
+    def full_disk(run_dir, *args):
+        raise CheckpointError(f"cannot write {run_dir}/config.yaml: No space left on device (simulated)")
+
+    monkeypatch.setattr(run_dir_module, "write_run_config", full_disk)
+    with pytest.raises(CheckpointError, match="config.yaml: No space left"):
+        open_run_dir(acc, _config(tmp_path / "new"), None)
+    assert list((tmp_path / "new").iterdir()) == []
+
+
 # ---------------------------------------------------------------- defect 5: what the weights mean is fixed
 @pytest.mark.parametrize(
     "override, key, old, new",
@@ -172,6 +210,26 @@ def test_resume_refuses_settings_that_change_what_the_weights_mean(trained, tmp_
     assert f"{key}: checkpoint {old}" in message and f"config {new}" in message and "start a new run" in message
     assert (run / "config.yaml").read_text() == config_before
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("config")) == ["config.yaml"]
+
+
+def test_lora_weights_of_another_shape_are_refused_by_the_check_export_makes_too(trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    expected = {"a.lora_A.weight": (4, 8), "a.lora_B.weight": (8, 4)}
+    assert lora_mismatch(expected, dict(expected)) == []
+    problems = lora_mismatch(expected, {"a.lora_A.weight": (4, 9), "b.lora_A.weight": (4, 8)})
+    assert problems == ["1 of the model's 2 LoRA weights are not in the checkpoint (e.g. a.lora_B.weight)",
+                        "1 of the checkpoint's 2 are not in the model (e.g. b.lora_A.weight)",
+                        "1 differ in shape (e.g. a.lora_A.weight: (4, 9) saved, (4, 8) in the model)"]  # fmt: skip
+    # Resuming loads through the same check: a weight of another shape (same name, same recorded settings).
+    run = _copy(trained, tmp_path)
+    file = run / "checkpoints" / "epoch-00002" / "adapter.safetensors"
+    weights = load_file(str(file))
+    name = sorted(weights)[0]
+    weights[name] = torch.zeros(weights[name].shape[0] + 1, *weights[name].shape[1:])
+    save_file(weights, str(file))
+    with pytest.raises(CheckpointError, match=rf"1 differ in shape \(e.g. {name}: "):
+        _trainer(tmp_path, "run.epochs=3", f"run.resume={file.parent}")
 
 
 def test_export_side_check_names_another_models_config(trained):
@@ -284,7 +342,7 @@ def test_a_full_disk_during_a_checkpoint_names_the_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(CheckpointError, match=r"cannot write .*epoch-00001/optimizer.pt: .*the disk is full"):
-        checkpoint_module.save_checkpoint(trainer, 1)
+        checkpoint_module.save_checkpoint(_parts(trainer), 1)
     assert list((trainer.run_dir / "checkpoints").iterdir()) == []  # no temporary left behind
 
 
