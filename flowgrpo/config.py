@@ -263,9 +263,18 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every setting, with only the active objective's ``grpo.<name>`` section: the others sit at their
+        defaults (anything else is refused), and a saved config must load where another plugin is not registered."""
         out = dataclasses.asdict(self)
-        out["grpo"].update({name: dataclasses.asdict(getattr(self.grpo, name)) for name in _grpo_sections()})
+        active = self.grpo.objective
+        if active in _grpo_sections():
+            out["grpo"][active] = dataclasses.asdict(getattr(self.grpo, active))
         return out
+
+    @staticmethod
+    def default_sections() -> dict[str, dict[str, Any]]:
+        """``{name: defaults}`` of every registered objective's ``grpo.<name>`` section."""
+        return {name: dataclasses.asdict(cls()) for name, cls in _grpo_sections().items()}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -419,13 +428,17 @@ def _renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(per, bool):
         raise ConfigError(f"grpo.advantage.per_reward: expected true or false, got {per!r}")
     if per and std == "global":
-        raise ConfigError("grpo.advantage.per_reward=true with std=global is not an estimator; per-reward advantages "
-                          "use each group's std: set grpo.advantage.estimator: per_reward (and drop std)")  # fmt: skip
+        raise ConfigError(
+            "grpo.advantage.per_reward=true with std=global is not an estimator; per-reward advantages "
+            "use each group's std: set grpo.advantage.estimator: per_reward (and drop std)"
+        )
     implied = "per_reward" if per else ("global_std" if std == "global" else "group")
     given = advantage.setdefault("estimator", implied)
     if given != implied:
-        raise ConfigError(f"grpo.advantage.estimator={given} contradicts the older keys std={std} / "
-                          f"per_reward={str(per).lower()} (they mean estimator: {implied}); remove std and per_reward")
+        raise ConfigError(
+            f"grpo.advantage.estimator={given} contradicts the older keys std={std} / "
+            f"per_reward={str(per).lower()} (they mean estimator: {implied}); remove std and per_reward"
+        )
     return {**data, "grpo": {**grpo, "advantage": advantage}}
 
 
@@ -519,8 +532,10 @@ def validate(config: Config, world_size: int = 1) -> None:
     one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
     if t.lr_warmup_steps and t.lr_schedule == "constant":
-        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} does nothing with train.lr_schedule=constant; "
-                          "set train.lr_schedule: constant_with_warmup (or another schedule)")  # fmt: skip
+        raise ConfigError(
+            f"train.lr_warmup_steps={t.lr_warmup_steps} does nothing with train.lr_schedule=constant; "
+            "set train.lr_schedule: constant_with_warmup (or another schedule)"
+        )
     _check_ranges(config)
     total = g.group_size * g.groups_per_epoch
     per_round = s.batch_size * world_size
@@ -565,6 +580,8 @@ VIDEO_KINDS = FamilyNames(video=True)  # model kinds that generate clips (model.
 # diffusers.optimization.get_scheduler's names that need nothing but warmup and total steps (piecewise_constant
 # takes step rules: not offered).
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
 def accumulation_steps(config: Config, world_size: int) -> int:
     """Micro-batches per optimizer step at ``world_size`` processes: ``train.gradient_accumulation``, or derived from
     ``train.updates_per_epoch`` so that the optimizer steps per epoch do not change with the process count."""
@@ -592,10 +609,15 @@ def _check_other_sections(config: Config) -> None:
             if value == default.get(key):
                 continue
             shown = str(value).lower() if isinstance(value, bool) else value
-            hint = (f"did you mean grpo.{g.objective}.{key}?" if active is not None and hasattr(active, key)
-                    else f"remove it, or set grpo.objective: {name}")  # fmt: skip
-            raise ConfigError(f"grpo.{name}.{key}={shown} is a setting of grpo.objective={name}, but grpo.objective="
-                              f"{g.objective}; {hint}")  # fmt: skip
+            hint = (
+                f"did you mean grpo.{g.objective}.{key}?"
+                if active is not None and hasattr(active, key)
+                else f"remove it, or set grpo.objective: {name}"
+            )
+            raise ConfigError(
+                f"grpo.{name}.{key}={shown} is a setting of grpo.objective={name}, but grpo.objective="
+                f"{g.objective}; {hint}"
+            )
 
 
 def _check_ranges(config: Config) -> None:
@@ -604,21 +626,35 @@ def _check_ranges(config: Config) -> None:
     w = s.window
     check_range("run.seed", r.seed, 0, 2**32 - 1, why="numpy's seed range")
     at_least_one = {
-        "run.epochs": r.epochs, "run.log_every": r.log_every, "run.max_nonfinite_steps": r.max_nonfinite_steps,
-        "model.resolution": m.resolution, "model.lora.rank": m.lora.rank, "sampler.batch_size": s.batch_size,
-        "sampler.window.shift_interval": w.shift_interval, "sampler.window.stride": w.stride,
-        "grpo.groups_per_epoch": g.groups_per_epoch, "train.batch_size": t.batch_size,
-        "train.gradient_accumulation": t.gradient_accumulation, "train.inner_epochs": t.inner_epochs,
+        "run.epochs": r.epochs,
+        "run.log_every": r.log_every,
+        "run.max_nonfinite_steps": r.max_nonfinite_steps,
+        "model.resolution": m.resolution,
+        "model.lora.rank": m.lora.rank,
+        "sampler.batch_size": s.batch_size,
+        "sampler.window.shift_interval": w.shift_interval,
+        "sampler.window.stride": w.stride,
+        "grpo.groups_per_epoch": g.groups_per_epoch,
+        "train.batch_size": t.batch_size,
+        "train.gradient_accumulation": t.gradient_accumulation,
+        "train.inner_epochs": t.inner_epochs,
         "train.ema_update_every": t.ema_update_every,
-        "eval.num_steps": e.num_steps, "eval.batch_size": e.batch_size, "eval.samples_per_prompt": e.samples_per_prompt,
+        "eval.num_steps": e.num_steps,
+        "eval.batch_size": e.batch_size,
+        "eval.samples_per_prompt": e.samples_per_prompt,
         "checkpoint.keep_last": config.checkpoint.keep_last,
-    }  # fmt: skip
+    }
     non_negative = {
-        "run.image_grid_every": r.image_grid_every, "eval.every": e.every, "checkpoint.every": config.checkpoint.every,
-        "sampler.window.decay_threshold": w.decay_threshold, "sampler.window.decay_rate": w.decay_rate,
-        "sampler.guidance_scale": s.guidance_scale, "eval.guidance_scale": e.guidance_scale,
-        "grpo.kl.beta": g.kl.beta, "train.weight_decay": t.weight_decay,
-    }  # fmt: skip
+        "run.image_grid_every": r.image_grid_every,
+        "eval.every": e.every,
+        "checkpoint.every": config.checkpoint.every,
+        "sampler.window.decay_threshold": w.decay_threshold,
+        "sampler.window.decay_rate": w.decay_rate,
+        "sampler.guidance_scale": s.guidance_scale,
+        "eval.guidance_scale": e.guidance_scale,
+        "grpo.kl.beta": g.kl.beta,
+        "train.weight_decay": t.weight_decay,
+    }
     for key, value in at_least_one.items():
         check_range(key, value, 1)
     for key, value in non_negative.items():
@@ -671,8 +707,9 @@ def _check_ranges(config: Config) -> None:
             "not depend on the weights' scale); set grpo.advantage.estimator: per_reward or normalize_weights: false"
         )
     if (t.ema_warmup or config.eval.use_ema or t.ema_update_every != 1) and t.ema == 0:
-        key = ("train.ema_warmup" if t.ema_warmup else "eval.use_ema" if config.eval.use_ema
-               else "train.ema_update_every")  # fmt: skip
+        key = (
+            "train.ema_warmup" if t.ema_warmup else "eval.use_ema" if config.eval.use_ema else "train.ema_update_every"
+        )
         raise ConfigError(f"{key} needs an EMA: set train.ema > 0 (Flow-GRPO 0.9) or {key}: false")
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")

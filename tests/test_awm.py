@@ -47,14 +47,15 @@ def awm_loss(adapter, cfg, sub, positions, advantages, generator=None):
 def _setup(kind="sd3", guidance=4.5):
     adapter = _with_lora(make_adapter(build_tiny_pipeline(kind, seed=0)))
     sampler = SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=guidance)
-    traj = rollout(adapter, PROMPTS, [0, 0, 1, 1], sampler, range(0, 0), torch.Generator().manual_seed(1),
-                   height=SIZE, width=SIZE)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 0, 1, 1], sampler, range(0, 0), torch.Generator().manual_seed(1), height=SIZE, width=SIZE
+    )
     return adapter, traj
 
 
 def _draws(x0, seed=7):
-    """σ and ε as flowgrpo.objectives.forward draws them for logit_mean 0.3, logit_std 0.7, time_shift 3: σ = sigmoid(0.3 + 0.7 z)
-    shifted by the SD3 scheduler's formula, then ε."""
+    """σ and ε as flowgrpo.objectives.forward draws them for logit_mean 0.3, logit_std 0.7, time_shift 3:
+    σ = sigmoid(0.3 + 0.7 z) shifted by the SD3 scheduler's formula, then ε."""
     g = torch.Generator().manual_seed(seed)
     sigma = torch.sigmoid(0.3 + 0.7 * torch.randn(len(x0), generator=g))
     sigma = 3 * sigma / (1 + 2 * sigma)
@@ -63,16 +64,21 @@ def _draws(x0, seed=7):
 
 def _conditional_velocity(transformer, traj, noisy, sigma):
     """The transformer fed the prompt only (no CFG), at timestep 1000 σ as the SD3 scheduler feeds it."""
-    return transformer(hidden_states=noisy, timestep=1000 * sigma, encoder_hidden_states=traj.embeds.prompt_embeds,
-                       pooled_projections=traj.embeds.pooled).sample  # fmt: skip
+    return transformer(
+        hidden_states=noisy,
+        timestep=1000 * sigma,
+        encoder_hidden_states=traj.embeds.prompt_embeds,
+        pooled_projections=traj.embeds.pooled,
+    ).sample
 
 
 def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditional_model():
     adapter, traj = _setup()
     cfg = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3")
     advantages = torch.tensor([1.5, -0.5, 0.25, -1.25])
-    loss, stats = awm_loss(adapter, cfg, traj, torch.zeros(4, dtype=torch.long), advantages,
-                           torch.Generator().manual_seed(7))  # fmt: skip
+    loss, stats = awm_loss(
+        adapter, cfg, traj, torch.zeros(4, dtype=torch.long), advantages, torch.Generator().manual_seed(7)
+    )
     # The same draws, by hand, and the conditional velocity there.
     x0 = traj.final_latents
     sigma, noise = _draws(x0)
@@ -89,8 +95,9 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
 
     # β > 0: + β · mean |v - v_ref|², v_ref from the same transformer with its LoRA switched off, same draws.
     anchored = _config("grpo.awm.logit_mean=0.3", "grpo.awm.logit_std=0.7", "grpo.awm.time_shift=3", "grpo.kl.beta=0.5")
-    loss, stats = awm_loss(adapter, anchored, traj, torch.zeros(4, dtype=torch.long), advantages,
-                           torch.Generator().manual_seed(7))  # fmt: skip
+    loss, stats = awm_loss(
+        adapter, anchored, traj, torch.zeros(4, dtype=torch.long), advantages, torch.Generator().manual_seed(7)
+    )
     adapter.transformer.disable_adapters()
     with torch.no_grad():
         v_ref = _conditional_velocity(adapter.transformer, traj, (1 - s) * x0 + s * noise, sigma)
@@ -104,18 +111,26 @@ def test_awm_loss_is_the_advantage_weighted_flow_matching_loss_of_the_conditiona
 def test_awm_cfg_fits_the_guided_velocity_the_rollout_sampled_with():
     adapter, traj = _setup(guidance=4.5)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    loss, _ = awm_loss(adapter, _config("grpo.awm.cfg=true"), traj, torch.zeros(4, dtype=torch.long), advantages,
-                       torch.Generator().manual_seed(5))  # fmt: skip
+    loss, _ = awm_loss(
+        adapter,
+        _config("grpo.awm.cfg=true"),
+        traj,
+        torch.zeros(4, dtype=torch.long),
+        advantages,
+        torch.Generator().manual_seed(5),
+    )
     g = torch.Generator().manual_seed(5)
     sigma = torch.sigmoid(torch.randn(4, generator=g))
     noise = torch.randn(traj.final_latents.shape, generator=g)
     x0, s = traj.final_latents, sigma.view(4, 1, 1, 1)
     e = traj.embeds
     with torch.no_grad():
-        both = adapter.transformer(hidden_states=torch.cat([(1 - s) * x0 + s * noise] * 2),
-                                   timestep=torch.cat([1000 * sigma] * 2),
-                                   encoder_hidden_states=torch.cat([e.negative_embeds, e.prompt_embeds]),
-                                   pooled_projections=torch.cat([e.negative_pooled, e.pooled])).sample  # fmt: skip
+        both = adapter.transformer(
+            hidden_states=torch.cat([(1 - s) * x0 + s * noise] * 2),
+            timestep=torch.cat([1000 * sigma] * 2),
+            encoder_hidden_states=torch.cat([e.negative_embeds, e.prompt_embeds]),
+            pooled_projections=torch.cat([e.negative_pooled, e.pooled]),
+        ).sample
     uncond, cond = both.chunk(2)
     guided = uncond + 4.5 * (cond - uncond)
     expected = (advantages * ((guided - (noise - x0)) ** 2).mean(dim=(1, 2, 3))).mean()
@@ -130,8 +145,9 @@ def test_one_awm_step_fits_a_better_sample_and_unfits_a_worse_one():
     one = traj.select([0])
 
     def error():  # the sample's flow-matching error at fixed draws
-        loss, _ = awm_loss(adapter, cfg, one, torch.zeros(1, dtype=torch.long), torch.ones(1),
-                           torch.Generator().manual_seed(3))  # fmt: skip
+        loss, _ = awm_loss(
+            adapter, cfg, one, torch.zeros(1, dtype=torch.long), torch.ones(1), torch.Generator().manual_seed(3)
+        )
         return loss
 
     before = error().item()
@@ -140,8 +156,14 @@ def test_one_awm_step_fits_a_better_sample_and_unfits_a_worse_one():
             for p, p0 in zip(params, start, strict=True):
                 p.copy_(p0)
         # A small plain gradient step on A · error: to first order the error moves by -lr · A · |∇error|².
-        loss, _ = awm_loss(adapter, cfg, one, torch.zeros(1, dtype=torch.long), torch.tensor([advantage]),
-                           torch.Generator().manual_seed(3))  # fmt: skip
+        loss, _ = awm_loss(
+            adapter,
+            cfg,
+            one,
+            torch.zeros(1, dtype=torch.long),
+            torch.tensor([advantage]),
+            torch.Generator().manual_seed(3),
+        )
         grads = torch.autograd.grad(loss, params)
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
@@ -167,11 +189,26 @@ def test_awm_trains_every_lora_weight_of_the_other_families(kind):
     edit = kind in ("flux-kontext", "qwenimage-edit")
     sources = [str(ROOT / "configs" / "prompts" / "edit_images" / f"{n}.png") for n in ("red_square", "blue_circle")]
     sampler = SamplerConfig(noise_level=0.0, num_steps=3, guidance_scale=2.5)
-    traj = rollout(adapter, ["a red cube", "a blue ball"], [0, 1], sampler, range(0, 0),
-                   torch.Generator().manual_seed(1), height=SIZE, width=SIZE, sources=sources if edit else None,
-                   decode=False)  # fmt: skip
-    loss, stats = awm_loss(adapter, _config("grpo.kl.beta=0.5"), traj, torch.zeros(2, dtype=torch.long),
-                           torch.tensor([1.0, -1.0]), torch.Generator().manual_seed(0))  # fmt: skip
+    traj = rollout(
+        adapter,
+        ["a red cube", "a blue ball"],
+        [0, 1],
+        sampler,
+        range(0, 0),
+        torch.Generator().manual_seed(1),
+        height=SIZE,
+        width=SIZE,
+        sources=sources if edit else None,
+        decode=False,
+    )
+    loss, stats = awm_loss(
+        adapter,
+        _config("grpo.kl.beta=0.5"),
+        traj,
+        torch.zeros(2, dtype=torch.long),
+        torch.tensor([1.0, -1.0]),
+        torch.Generator().manual_seed(0),
+    )
     loss.backward()
     assert torch.isfinite(loss) and stats["kl"] > 0
     trained = [(n, p) for n, p in adapter.transformer.named_parameters() if p.requires_grad]
@@ -202,8 +239,9 @@ def test_awm_config_mistakes_name_the_key(override, key):
 
 def test_trainer_with_awm_samples_the_ode_and_trains_on_final_latents(tmp_path):
     # No weight decay: whatever moves the adapter is the loss's gradient.
-    config = _config(f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "grpo.awm.timesteps=2",
-                     "train.weight_decay=0")  # fmt: skip
+    config = _config(
+        f"run.output_dir={tmp_path}", "run.epochs=2", "eval.every=0", "grpo.awm.timesteps=2", "train.weight_decay=0"
+    )
     trainer = GRPOTrainer(config)
     lora = {n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad}
     trainer.fit()
@@ -219,7 +257,8 @@ def test_trainer_with_awm_samples_the_ode_and_trains_on_final_latents(tmp_path):
 def test_resuming_a_run_from_before_the_objective_existed_reports_no_change(tmp_path):
     config = load_config(TINY, ["run.progress=false"])
     old = config.to_dict()
-    del old["grpo"]["objective"], old["grpo"]["awm"]  # a checkpoint written before these keys existed
+    assert "awm" not in old["grpo"]  # only the active objective's section is written
+    del old["grpo"]["objective"]  # a checkpoint written before this key existed
     (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(old))
     assert recipe_changes(tmp_path, config) == []
     changed = recipe_changes(tmp_path, _config())

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from flowgrpo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, available_advantage_estimators
 from flowgrpo.advantages import register_advantage_estimator as register_estimator
+from flowgrpo.checkpoint import CONFIG_FILE, recipe_changes
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.objectives import OBJECTIVES, MicroBatch, Objective, available_objectives, register_objective
 from flowgrpo.objectives.clipped import timestep_loss
@@ -37,15 +39,13 @@ class Throwaway(Objective):
         if not 0 < config.grpo.throwaway.sigma < 1:
             raise ConfigError(f"grpo.throwaway.sigma must lie in (0, 1), got {config.grpo.throwaway.sigma}")
 
-    def steps(self, trajectory):
-        return 1
-
     def loss(self, adapter, batch: MicroBatch):
         x0 = batch.trajectory.final_latents.float()
         noise = torch.randn(x0.shape, generator=batch.generator)
         sigma = torch.full((len(x0),), self.settings.sigma)
-        v = adapter.velocity((1 - self.settings.sigma) * x0 + self.settings.sigma * noise, sigma,
-                             batch.trajectory.embeds, 1.0).float()  # fmt: skip
+        v = adapter.velocity(
+            (1 - self.settings.sigma) * x0 + self.settings.sigma * noise, sigma, batch.trajectory.embeds, 1.0
+        ).float()
         error = (v - (noise - x0)).pow(2).flatten(1).mean(dim=1)
         loss = (batch.advantages * error).mean()
         calls["loss"].append(batch.advantages.clone())
@@ -72,9 +72,19 @@ def _unregister():
 
 
 def _config(tmp_path, *overrides):
-    return load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "run.epochs=1", "eval.every=0",
-                              "sampler.noise_level=0", "grpo.objective=throwaway",
-                              "grpo.advantage.estimator=centred_rank", *overrides])  # fmt: skip
+    return load_config(
+        TINY,
+        [
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "run.epochs=1",
+            "eval.every=0",
+            "sampler.noise_level=0",
+            "grpo.objective=throwaway",
+            "grpo.advantage.estimator=centred_rank",
+            *overrides,
+        ],
+    )
 
 
 def test_an_objective_and_an_estimator_from_this_file_train_one_epoch(tmp_path):
@@ -109,6 +119,29 @@ def test_an_objectives_own_section_is_validated_and_unknown_keys_named(tmp_path)
         load_config(TINY, ["grpo.throwaway.sigma=0.3"])
 
 
+def test_a_saved_config_names_only_the_active_objectives_section(tmp_path):
+    """A run saved while a plugin objective is registered (but not used) loads where the plugin is not: the
+    inactive sections sit at their defaults and are left out; an older run that wrote every section reports no
+    change on resume."""
+    config = load_config(TINY, [f"run.output_dir={tmp_path}"])
+    saved = config.to_dict()
+    assert "throwaway" not in saved["grpo"] and "nft" not in saved["grpo"]
+    OBJECTIVES.pop("throwaway")
+    try:
+        path = tmp_path / "saved.yaml"
+        path.write_text(config.to_yaml())
+        assert load_config(path).to_dict() == saved
+    finally:
+        register_objective("throwaway")(Throwaway)
+    older = {**saved, "grpo": {**saved["grpo"], **config.default_sections()}}  # every section, at defaults
+    assert "throwaway" in older["grpo"] and "nft" in older["grpo"]
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(older))
+    assert recipe_changes(tmp_path, config) == []
+    older["grpo"]["nft"]["beta"] = 0.5  # a real difference in an inactive section is still reported
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(older))
+    assert recipe_changes(tmp_path, config) == ["grpo.nft.beta: 0.5 -> None"]
+
+
 def test_per_step_advantages_reach_the_clipped_loss_at_each_samples_position():
     """[B, W] advantages equal to A in every column give the [B] loss; a column changed at a position not trained
     changes nothing, at the trained one it changes the loss."""
@@ -117,8 +150,16 @@ def test_per_step_advantages_reach_the_clipped_loss_at_each_samples_position():
 
     config = load_config(TINY, ["model.resolution=32", "grpo.clip_range=0.2"])
     adapter = build_adapter(config.model)
-    trajectory = rollout(adapter, ["a red cube", "a red cube", "a blue ball", "a blue ball"], [0, 0, 1, 1],
-                         config.sampler, range(0, 2), torch.Generator().manual_seed(0), height=32, width=32)
+    trajectory = rollout(
+        adapter,
+        ["a red cube", "a red cube", "a blue ball", "a blue ball"],
+        [0, 0, 1, 1],
+        config.sampler,
+        range(0, 2),
+        torch.Generator().manual_seed(0),
+        height=32,
+        width=32,
+    )
     trajectory.log_probs = trajectory.log_probs + 0.1  # stored log-probs off the current policy: ratios ≠ 1
     positions = torch.tensor([0, 1, 0, 1])
     advantages = torch.tensor([1.0, -2.0, 0.5, 3.0])
@@ -128,8 +169,9 @@ def test_per_step_advantages_reach_the_clipped_loss_at_each_samples_position():
     torch.testing.assert_close(same, loss, rtol=0, atol=0)
     untouched = per_step.clone()
     untouched[0, 1] = 100.0  # sample 0 trains position 0
-    torch.testing.assert_close(timestep_loss(adapter, config, trajectory, positions, untouched)[0], loss, rtol=0,
-                               atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        timestep_loss(adapter, config, trajectory, positions, untouched)[0], loss, rtol=0, atol=0
+    )
     moved = per_step.clone()
     moved[0, 0] = 100.0
     assert not torch.equal(timestep_loss(adapter, config, trajectory, positions, moved)[0], loss)

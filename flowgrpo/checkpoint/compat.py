@@ -43,8 +43,9 @@ def lora_mismatch(expected: Shapes, saved: Shapes) -> list[str]:
     reshaped = sorted(k for k in set(expected) & set(saved) if expected[k] != saved[k])
     problems = []
     if missing:
-        problems.append(f"{len(missing)} of the model's {len(expected)} LoRA weights are not in the checkpoint "
-                        f"(e.g. {missing[0]})")  # fmt: skip
+        problems.append(
+            f"{len(missing)} of the model's {len(expected)} LoRA weights are not in the checkpoint (e.g. {missing[0]})"
+        )
     if unexpected:
         problems.append(
             f"{len(unexpected)} of the checkpoint's {len(saved)} are not in the model (e.g. {unexpected[0]})"
@@ -162,10 +163,14 @@ def recipe_changes(checkpoint: Path, config: Config) -> list[str]:
     if old is None:
         return []
     before, now = _flat(old), _flat(config.to_dict())
-    defaults = _flat(type(config)().to_dict())
-    # A key newer than the checkpoint, at its default, changes nothing (e.g. grpo.objective on an older run).
-    new_at_default = {k for k in set(now) - set(before) if k in defaults and now[k] == defaults[k]}
-    keys = sorted((set(before) | set(now)) - BOOKKEEPING_KEYS - new_at_default)
+    defaults = _flat(
+        {**type(config)().to_dict(), "grpo": {**type(config)().to_dict()["grpo"], **config.default_sections()}}
+    )
+    # A key on one side only, at its default on the other, changes nothing: grpo.objective on an older run, or an
+    # inactive objective's section (older runs wrote every section).
+    one_sided = (set(now) ^ set(before)) & set(defaults)
+    at_default = {k for k in one_sided if now.get(k, before.get(k)) == defaults[k]}
+    keys = sorted((set(before) | set(now)) - BOOKKEEPING_KEYS - at_default)
     return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
 
 
@@ -177,8 +182,12 @@ def _model_keys(config: Config, family: str | None) -> dict[str, Any]:
         from ..adapters import ADAPTERS
 
         targets = list(ADAPTERS[family].default_lora_targets) if family in ADAPTERS else targets
-    return {"model.pretrained": m.pretrained, "model.lora.rank": m.lora.rank, "model.lora.alpha": m.lora.alpha,
-            "model.lora.target_modules": sorted(targets) if isinstance(targets, list | tuple) else targets}  # fmt: skip
+    return {
+        "model.pretrained": m.pretrained,
+        "model.lora.rank": m.lora.rank,
+        "model.lora.alpha": m.lora.alpha,
+        "model.lora.target_modules": sorted(targets) if isinstance(targets, list | tuple) else targets,
+    }
 
 
 def _same(key: str, old: Any, new: Any) -> bool:
