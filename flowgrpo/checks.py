@@ -68,5 +68,3 @@ def check_num_frames(
         f"{f} frames per latent frame, so the count must be {f}k + 1 (1, {1 + f}, {1 + 2 * f}, ..., 81, ...); the "
         f"nearest valid values are {below} and {below + f}"
     )
-
-

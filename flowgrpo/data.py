@@ -85,8 +85,10 @@ def _source_images(images: list[tuple[int, Any]], path: Path, key: str) -> list[
     sources, problems = [], []
     for number, value in images:
         if value is None:
-            problems.append(f'{path}:{number} has no "{IMAGE_FIELD}" field, but other rows do (an editing file gives '
-                            "every row a source image)")  # fmt: skip
+            problems.append(
+                f'{path}:{number} has no "{IMAGE_FIELD}" field, but other rows do (an editing file gives '
+                "every row a source image)"
+            )
             continue
         if not isinstance(value, str) or not value.strip():
             problems.append(f'{path}:{number}: "{IMAGE_FIELD}" must be an image file path, got {value!r}')

@@ -25,8 +25,12 @@ from .rollout import rollout
 
 def ode_sampler(eval_config: EvalConfig) -> SamplerConfig:
     """The deterministic sampler evaluation uses: noise 0, every step an ODE step."""
-    return SamplerConfig(noise_level=0.0, num_steps=eval_config.num_steps, guidance_scale=eval_config.guidance_scale,
-                         window=WindowConfig(size=0))  # fmt: skip
+    return SamplerConfig(
+        noise_level=0.0,
+        num_steps=eval_config.num_steps,
+        guidance_scale=eval_config.guidance_scale,
+        window=WindowConfig(size=0),
+    )
 
 
 @torch.no_grad()
@@ -73,8 +77,18 @@ def evaluate_shard(
         batch = [i for i, _ in batch_items]
         texts = [dataset.prompts[i] for i in batch]
         meta = [dict(dataset.metadata[i]) for i in batch]
-        traj = rollout(adapter, texts, list(batch), sampler, range(0, 0), height=resolution, width=resolution,
-                       initial_latents=latents, metadata=meta, sources=dataset.sources_of(batch))  # fmt: skip
+        traj = rollout(
+            adapter,
+            texts,
+            list(batch),
+            sampler,
+            range(0, 0),
+            height=resolution,
+            width=resolution,
+            initial_latents=latents,
+            metadata=meta,
+            sources=dataset.sources_of(batch),
+        )
         sources = {} if traj.source_images is None else {"source_images": traj.source_images}  # image editing
         for k, v in reward(traj.images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
@@ -83,8 +97,17 @@ def evaluate_shard(
     largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
         padding = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
-        rollout(adapter, [dataset.prompts[0]], [0], sampler, range(0, 0), height=resolution, width=resolution,
-                initial_latents=padding, sources=dataset.sources_of([0]))  # fmt: skip
+        rollout(
+            adapter,
+            [dataset.prompts[0]],
+            [0],
+            sampler,
+            range(0, 0),
+            height=resolution,
+            width=resolution,
+            initial_latents=padding,
+            sources=dataset.sources_of([0]),
+        )
     empty = torch.zeros(0, 3, resolution, resolution)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 
@@ -227,8 +250,15 @@ def write_gif(
     return Path(path)
 
 
-def write_report(folder: Path, summary: dict[str, float], images: Tensor, prompts: list[str],
-                 scores: dict[str, Tensor], *, name: str = "eval") -> None:  # fmt: skip
+def write_report(
+    folder: Path,
+    summary: dict[str, float],
+    images: Tensor,
+    prompts: list[str],
+    scores: dict[str, Tensor],
+    *,
+    name: str = "eval",
+) -> None:
     """``{name}.json`` (means and per-image scores) and ``{name}.png`` (a grid of ``images``, which may be
     the first few of ``prompts`` only) in ``folder``. Clips ``[N, F, 3, H, W]`` (video models): the PNG is a frame
     grid (filmstrips) and ``{name}.gif`` an animated preview of the same clips."""

@@ -51,8 +51,10 @@ def ema_hint(config: Config, ema: bool) -> str | None:
     """A note when the raw weights are asked for but the run chose its checkpoints by its EMA weights' scores."""
     if ema or not config.eval.use_ema:
         return None
-    return ("note: this run evaluated (and chose its best checkpoint by) its EMA weights (eval.use_ema); these are the "
-            "last trained weights: pass --ema for the EMA weights")  # fmt: skip
+    return (
+        "note: this run evaluated (and chose its best checkpoint by) its EMA weights (eval.use_ema); these are the "
+        "last trained weights: pass --ema for the EMA weights"
+    )
 
 
 def check_checkpoint_dir(checkpoint: Path, *, ema: bool = False) -> None:
@@ -102,8 +104,9 @@ def expected_lora_shapes(config: Config) -> Shapes:
         targets = adapter.default_lora_targets if lora.target_modules == "default" else lora.target_modules
         try:
             exclude = adapter.lora_exclude(transformer) or None  # as PipelineAdapter.add_lora
-            transformer.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets),
-                                               exclude_modules=exclude))  # fmt: skip
+            transformer.add_adapter(
+                LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets), exclude_modules=exclude)
+            )
         except ValueError as err:
             message = f"model.lora.target_modules {targets} do not match the {kind} transformer: {err}"
             raise CheckpointError(message) from None
@@ -159,8 +162,9 @@ def check_output_dir(
     for path in protected:
         p = path.expanduser().resolve()
         if target == p or p in target.parents or target in p.parents:
-            raise CheckpointError(f"--out {out} would write into or over {path}, which must stay as it is; "
-                                  "choose a directory outside it")  # fmt: skip
+            raise CheckpointError(
+                f"--out {out} would write into or over {path}, which must stay as it is; choose a directory outside it"
+            )
     for path in keep:
         p = path.expanduser().resolve()
         if target == p or target in p.parents:
@@ -173,8 +177,10 @@ def check_output_dir(
     if not entries:
         return
     if not overwrite:
-        raise CheckpointError(f"--out {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass "
-                              "--overwrite to replace it, or choose a new directory")  # fmt: skip
+        raise CheckpointError(
+            f"--out {out} is not empty ({len(entries)} entries, e.g. {entries[0]}); pass "
+            "--overwrite to replace it, or choose a new directory"
+        )
     if not _looks_like(entries, kind):
         raise CheckpointError(
             f"--out {out} holds files that are not an earlier {kind} export (e.g. {entries[0]}); --overwrite "
@@ -252,9 +258,11 @@ def save_diffusers_lora(config: Config, checkpoint: Path, out: Path, *, ema: boo
         metadata["target_modules"] = sorted({key.rsplit(".lora_", 1)[0] for key in weights})
         metadata["exclude_modules"] = None
     family(model_kind(config)).pipeline_class.save_lora_weights(
-        str(out), transformer_lora_layers=weights,
-        transformer_lora_adapter_metadata=metadata, weight_name=LORA_FILE,
-    )  # fmt: skip
+        str(out),
+        transformer_lora_layers=weights,
+        transformer_lora_adapter_metadata=metadata,
+        weight_name=LORA_FILE,
+    )
     return out / LORA_FILE
 
 
@@ -274,8 +282,13 @@ def export_checkpoint(
     checkpoint, out = Path(checkpoint), Path(out)
     check_checkpoint_dir(checkpoint, ema=ema)
     config = config or run_config(checkpoint)
-    check_output_dir(out, overwrite=overwrite, kind="pipeline" if merge else "lora", protected=protected_dirs(config),
-                     keep=[checkpoint])  # fmt: skip
+    check_output_dir(
+        out,
+        overwrite=overwrite,
+        kind="pipeline" if merge else "lora",
+        protected=protected_dirs(config),
+        keep=[checkpoint],
+    )
     check_checkpoint_fits(checkpoint, config, expected_lora_shapes(config), ema=ema)
     with atomic_dir(out) as tmp:
         if not merge:

@@ -33,8 +33,10 @@ def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
     count, continues the schedule with nothing more to checkpoint, and a skipped non-finite step does not shift it."""
     t = config.train
     if t.lr_schedule != "constant" and t.lr_warmup_steps >= total_steps:
-        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than the run's {total_steps} "
-                          "optimizer steps; lower it")  # fmt: skip
+        raise ConfigError(
+            f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than the run's {total_steps} "
+            "optimizer steps; lower it"
+        )
     # get_scheduler wants an optimizer; at train.lr because polynomial's end lr (1e-7) is absolute.
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)
     scheduler = get_scheduler(t.lr_schedule, probe, num_warmup_steps=t.lr_warmup_steps, num_training_steps=total_steps)

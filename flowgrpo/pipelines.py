@@ -38,9 +38,14 @@ SHIPPED_MODELS: dict[str, Path] = {"shapes-sd3": Path(__file__).parent / "assets
 _DTYPE_KWARG = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
 
 _DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
 }
 
 
@@ -70,8 +75,9 @@ def pipeline_kind(pipe: Any) -> PipelineKind:
     """The kind of a pipeline object, by its exact class (a sibling such as ``FluxFillPipeline`` has none)."""
     spec = family_of_pipeline(pipe)
     if spec is None:
-        raise ValueError(f"{type(pipe).__name__} is no registered family's pipeline; supported kinds: "
-                         f"{available_families()}")  # fmt: skip
+        raise ValueError(
+            f"{type(pipe).__name__} is no registered family's pipeline; supported kinds: {available_families()}"
+        )
     return spec.name
 
 
@@ -128,8 +134,11 @@ def resolve_source(source: str) -> str:
 
 def _absent_components(index: dict[str, Any]) -> dict[str, None]:
     """Components saved as ``[null, null]`` (e.g. SD3's T5 left out): diffusers loads them only when passed."""
-    return {name: None for name, value in index.items()
-            if not name.startswith("_") and isinstance(value, list) and value == [None, None]}  # fmt: skip
+    return {
+        name: None
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and value == [None, None]
+    }
 
 
 def _detect(source: str) -> tuple[str | None, str | None]:

@@ -117,9 +117,17 @@ class Trajectory:
 
 
 _PER_SAMPLE = (
-    "group_ids", "latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices",
-    "final_latents", "images",
-)  # fmt: skip
+    "group_ids",
+    "latents",
+    "next_latents",
+    "log_probs",
+    "stds",
+    "sigmas",
+    "sigmas_next",
+    "step_indices",
+    "final_latents",
+    "images",
+)
 
 
 def _step_kwargs(sampler: SamplerConfig) -> dict[str, Any]:
@@ -302,9 +310,14 @@ def _initial_latents(
     n = len(group_ids)
     if initial_latents is None:
         return adapter.initial_noise(
-            n, height, width, generator=generator, group_ids=group_ids,
-            same_within_group=sampler.same_initial_noise, noise_seed=noise_seed,
-        )  # fmt: skip
+            n,
+            height,
+            width,
+            generator=generator,
+            group_ids=group_ids,
+            same_within_group=sampler.same_initial_noise,
+            noise_seed=noise_seed,
+        )
     expected = (n, *adapter.latent_shape(height, width))
     if tuple(initial_latents.shape) != expected:
         raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
@@ -424,9 +437,17 @@ def evaluate_transitions(
     x, t, t_next, prev = _stored(trajectory, step)
     velocity_fn = _velocity_fn(adapter, trajectory.embeds, sampler, trajectory.guidance_scale)
     return sde_step(
-        sampler.kind, velocity_fn(x, t), x, t, t_next, t_second=trajectory.t_second, velocity_fn=velocity_fn,
-        prev_sample=prev, reduce=log_prob_reduce, **_step_kwargs(sampler),
-    )  # fmt: skip
+        sampler.kind,
+        velocity_fn(x, t),
+        x,
+        t,
+        t_next,
+        t_second=trajectory.t_second,
+        velocity_fn=velocity_fn,
+        prev_sample=prev,
+        reduce=log_prob_reduce,
+        **_step_kwargs(sampler),
+    )
 
 
 def stored_log_probs(trajectory: Trajectory, step: int | Tensor) -> Tensor:
@@ -438,12 +459,20 @@ def stored_log_probs(trajectory: Trajectory, step: int | Tensor) -> Tensor:
 
 def _stored(trajectory: Trajectory, step: int | Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if isinstance(step, int):
-        return (trajectory.latents[:, step], trajectory.sigmas[:, step], trajectory.sigmas_next[:, step],
-                trajectory.next_latents[:, step])  # fmt: skip
+        return (
+            trajectory.latents[:, step],
+            trajectory.sigmas[:, step],
+            trajectory.sigmas_next[:, step],
+            trajectory.next_latents[:, step],
+        )
     if step.shape != (len(trajectory),):
         raise ValueError(f"per-sample steps must have shape ({len(trajectory)},), got {tuple(step.shape)}")
     rows = torch.arange(len(trajectory), device=trajectory.latents.device)
     step = step.to(trajectory.latents.device)
     sigma_rows, sigma_step = rows.to(trajectory.sigmas.device), step.to(trajectory.sigmas.device)
-    return (trajectory.latents[rows, step], trajectory.sigmas[sigma_rows, sigma_step],
-            trajectory.sigmas_next[sigma_rows, sigma_step], trajectory.next_latents[rows, step])  # fmt: skip
+    return (
+        trajectory.latents[rows, step],
+        trajectory.sigmas[sigma_rows, sigma_step],
+        trajectory.sigmas_next[sigma_rows, sigma_step],
+        trajectory.next_latents[rows, step],
+    )

@@ -41,10 +41,17 @@ def all_specs() -> list[SceneSpec]:
     specs += [SceneSpec("counting", (ObjectSpec(n, s, c),)) for n in (2, 3) for s, c in colored]
     pairs = itertools.permutations(SHAPES, 2)
     specs += [SceneSpec("two_object", (ObjectSpec(1, a), ObjectSpec(1, b))) for a, b in pairs]
-    specs += [SceneSpec("color_attr", (ObjectSpec(1, s1, c1), ObjectSpec(1, s2, c2)))
-              for (s1, c1), (s2, c2) in itertools.permutations(colored, 2) if s1 != s2 and c1 != c2]  # fmt: skip
-    specs += [SceneSpec("position", (ObjectSpec(1, s1, c1), ObjectSpec(1, s2, c2)), r)
-              for r in RELATIONS for (s1, c1), (s2, c2) in itertools.permutations(colored, 2) if c1 != c2]  # fmt: skip
+    specs += [
+        SceneSpec("color_attr", (ObjectSpec(1, s1, c1), ObjectSpec(1, s2, c2)))
+        for (s1, c1), (s2, c2) in itertools.permutations(colored, 2)
+        if s1 != s2 and c1 != c2
+    ]
+    specs += [
+        SceneSpec("position", (ObjectSpec(1, s1, c1), ObjectSpec(1, s2, c2)), r)
+        for r in RELATIONS
+        for (s1, c1), (s2, c2) in itertools.permutations(colored, 2)
+        if c1 != c2
+    ]
     return specs
 
 

@@ -9,7 +9,7 @@ from configs, so it runs through the same adapter, rollout, trainer and export c
   model's small errors. Its ``scaling_factor`` / ``shift_factor`` bring the latents to zero mean, unit variance.
   Why latents rather than pixels (the previous shipped model worked on pixels through an identity autoencoder):
   16 image tokens instead of 64 make a pretraining step and a GRPO epoch cheaper, and the model trained better in
-  less time (README, shapes section).
+  less time (docs/shapes.md §2).
 - transformer: ``SD3Transformer2DModel`` on the 8x8x4 latents, patch 2 (4x4 = 16 image tokens), 4 layers of
   4 heads x 32, RMS qk-norm (SD3.5's), caption_projection_dim = heads x head_dim = 128.
 - text: two 2-layer CLIP text encoders (hidden 64, projection 64: pooled 128, joint 64 + 64 = 128) over a
@@ -87,11 +87,21 @@ def shapes_tokenizer() -> CLIPTokenizer:
 
 
 def _text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
-    return CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=TEXT_LENGTH, projection_dim=64, hidden_act="quick_gelu",
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ))  # fmt: skip
+    return CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=TEXT_LENGTH,
+            projection_dim=64,
+            hidden_act="quick_gelu",
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
 
 
 def shapes_vae(seed: int = 0) -> AutoencoderTiny:
@@ -99,9 +109,12 @@ def shapes_vae(seed: int = 0) -> AutoencoderTiny:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 16 + 3)
         vae = AutoencoderTiny(
-            latent_channels=LATENT_CHANNELS, encoder_block_out_channels=(32, 32, 32),
-            decoder_block_out_channels=(32, 32, 32), num_encoder_blocks=(1, 1, 1), num_decoder_blocks=(1, 1, 1),
-        )  # fmt: skip
+            latent_channels=LATENT_CHANNELS,
+            encoder_block_out_channels=(32, 32, 32),
+            decoder_block_out_channels=(32, 32, 32),
+            num_encoder_blocks=(1, 1, 1),
+            num_decoder_blocks=(1, 1, 1),
+        )
     return vae.eval()
 
 
@@ -127,12 +140,23 @@ def build_shapes_pipeline(seed: int = 0, vae: AutoencoderTiny | None = None) -> 
             torch.manual_seed(seed * 16 + offset)
             return build()
 
-    transformer = seeded(0, lambda: SD3Transformer2DModel(
-        sample_size=LATENT_SIZE, patch_size=PATCH, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
-        num_layers=4, attention_head_dim=32, num_attention_heads=4, joint_attention_dim=128,
-        caption_projection_dim=128, pooled_projection_dim=128, pos_embed_max_size=LATENT_SIZE // PATCH,
-        qk_norm="rms_norm",
-    ))  # fmt: skip
+    transformer = seeded(
+        0,
+        lambda: SD3Transformer2DModel(
+            sample_size=LATENT_SIZE,
+            patch_size=PATCH,
+            in_channels=LATENT_CHANNELS,
+            out_channels=LATENT_CHANNELS,
+            num_layers=4,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=128,
+            caption_projection_dim=128,
+            pooled_projection_dim=128,
+            pos_embed_max_size=LATENT_SIZE // PATCH,
+            qk_norm="rms_norm",
+        ),
+    )
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         vae=vae if vae is not None else shapes_vae(seed),

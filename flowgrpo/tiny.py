@@ -95,21 +95,59 @@ CLIP_MAX_LENGTH = 77  # what SD3 / FLUX pipelines pad CLIP prompts to (tokenizer
 T5_MAX_LENGTH = 512  # FLUX's max_sequence_length; SD3 uses 256
 
 TINY_SIZES: dict[str, dict[str, int]] = {
-    "sd3": {"latent_channels": 16, "vae_scale_factor": 2, "resolution_multiple": 4, "default_resolution": 64,
-            "pooled_dim": 64, "joint_dim": 32},
-    "flux": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4, "default_resolution": 256,
-             "pooled_dim": 32, "joint_dim": 32},
+    "sd3": {
+        "latent_channels": 16,
+        "vae_scale_factor": 2,
+        "resolution_multiple": 4,
+        "default_resolution": 64,
+        "pooled_dim": 64,
+        "joint_dim": 32,
+    },
+    "flux": {
+        "latent_channels": 4,
+        "vae_scale_factor": 2,
+        "resolution_multiple": 4,
+        "default_resolution": 256,
+        "pooled_dim": 32,
+        "joint_dim": 32,
+    },
     # FluxKontextPipeline around the same components as "flux" (its default size 1024² comes from max_area).
-    "flux-kontext": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4,
-                     "default_resolution": 1024, "pooled_dim": 32, "joint_dim": 32},
-    "qwenimage": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4, "default_resolution": 256,
-                  "pooled_dim": 0, "joint_dim": 32},
+    "flux-kontext": {
+        "latent_channels": 4,
+        "vae_scale_factor": 2,
+        "resolution_multiple": 4,
+        "default_resolution": 1024,
+        "pooled_dim": 32,
+        "joint_dim": 32,
+    },
+    "qwenimage": {
+        "latent_channels": 4,
+        "vae_scale_factor": 2,
+        "resolution_multiple": 4,
+        "default_resolution": 256,
+        "pooled_dim": 0,
+        "joint_dim": 32,
+    },
     # QwenImageEditPipeline around the qwenimage components; its default size, like its source's, is ~1024² pixels.
-    "qwenimage-edit": {"latent_channels": 4, "vae_scale_factor": 2, "resolution_multiple": 4,
-                       "default_resolution": 1024, "pooled_dim": 0, "joint_dim": 32},
+    "qwenimage-edit": {
+        "latent_channels": 4,
+        "vae_scale_factor": 2,
+        "resolution_multiple": 4,
+        "default_resolution": 1024,
+        "pooled_dim": 0,
+        "joint_dim": 32,
+    },
     # WanPipeline (text-to-video); its default size is 480x832 with 81 frames.
-    "wan": {"latent_channels": 4, "vae_scale_factor": 4, "temporal_factor": 4, "resolution_multiple": 16,
-            "default_resolution": 480, "default_num_frames": 81, "pooled_dim": 0, "joint_dim": 32},
+    "wan": {
+        "latent_channels": 4,
+        "vae_scale_factor": 4,
+        "temporal_factor": 4,
+        "resolution_multiple": 16,
+        "default_resolution": 480,
+        "default_num_frames": 81,
+        "pooled_dim": 0,
+        "joint_dim": 32,
+    },
 }
 
 
@@ -185,10 +223,21 @@ QWEN_EXTRA_WORDS = (
 )
 # Qwen2.5-VL's special tokens, in the real tokenizer's order (ids follow the BPE vocabulary, as there).
 QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 QWEN_MAX_LENGTH = 1024 + 34  # what QwenImagePipeline truncates to: tokenizer_max_length + the dropped system prompt
 
 
@@ -348,23 +397,32 @@ def sd3_components(seed: int, vae: str = "kl") -> dict[str, object]:
     return {
         # SD3.5-medium layout in miniature: qk RMS-norm, dual attention in the first block,
         # caption_projection_dim = heads * head_dim, pooled = the two CLIP projections concatenated.
-        "transformer": _seeded(s + 0, lambda: SD3Transformer2DModel(
-            sample_size=32,
-            patch_size=2,
-            in_channels=16,
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            joint_attention_dim=32,
-            caption_projection_dim=32,
-            pooled_projection_dim=64,
-            pos_embed_max_size=32,  # latents up to 64x64 -> images up to 128x128
-            qk_norm="rms_norm",
-            dual_attention_layers=(0,),
-        )),
-        "vae": _seeded(s + 1, lambda: _vae(16, scaling_factor=1.5305, shift_factor=0.0609)  # SD3.5's factors
-                       if vae == "kl" else _tiny_autoencoder(16)),
+        "transformer": _seeded(
+            s + 0,
+            lambda: SD3Transformer2DModel(
+                sample_size=32,
+                patch_size=2,
+                in_channels=16,
+                out_channels=16,
+                num_layers=2,
+                attention_head_dim=8,
+                num_attention_heads=4,
+                joint_attention_dim=32,
+                caption_projection_dim=32,
+                pooled_projection_dim=64,
+                pos_embed_max_size=32,  # latents up to 64x64 -> images up to 128x128
+                qk_norm="rms_norm",
+                dual_attention_layers=(0,),
+            ),
+        ),
+        "vae": _seeded(
+            s + 1,
+            lambda: (
+                _vae(16, scaling_factor=1.5305, shift_factor=0.0609)  # SD3.5's factors
+                if vae == "kl"
+                else _tiny_autoencoder(16)
+            ),
+        ),
         "text_encoder": _seeded(s + 2, lambda: CLIPTextModelWithProjection(_clip_config(tok, 8, 32))),
         "text_encoder_2": _seeded(s + 3, lambda: CLIPTextModelWithProjection(_clip_config(tok_2, 16, 32))),
         "text_encoder_3": _seeded(s + 4, lambda: _t5_encoder(tok_3)),
@@ -382,20 +440,29 @@ def flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
     return {
         # FLUX.1-dev layout in miniature: guidance embedding, RoPE axes summing to the head dim,
         # pooled = CLIP's pooled output (hidden size 32), joint = T5's d_model.
-        "transformer": _seeded(s + 0, lambda: FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16,  # 4 latent channels x 2x2 packing
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 4, 8),
-        )),
-        "vae": _seeded(s + 1, lambda: _vae(4, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX's factors
-                       if vae == "kl" else _tiny_autoencoder(4)),
+        "transformer": _seeded(
+            s + 0,
+            lambda: FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=16,  # 4 latent channels x 2x2 packing
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,
+                pooled_projection_dim=32,
+                guidance_embeds=True,
+                axes_dims_rope=(4, 4, 8),
+            ),
+        ),
+        "vae": _seeded(
+            s + 1,
+            lambda: (
+                _vae(4, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX's factors
+                if vae == "kl"
+                else _tiny_autoencoder(4)
+            ),
+        ),
         "text_encoder": _seeded(s + 2, lambda: CLIPTextModel(_clip_config(tok, 32, 32))),
         "text_encoder_2": _seeded(s + 4, lambda: _t5_encoder(tok_2)),
         "tokenizer": tok,
@@ -414,15 +481,31 @@ def flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
 
 
 def _qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
-              "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 4,
-              "fullatt_block_indexes": [0]}  # fmt: skip  # reads the source image in qwenimage-edit only
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "patch_size": 2,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 4,
+        "fullatt_block_indexes": [0],
+    }  # reads the source image in qwenimage-edit only
     text = {
-        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": QWEN_MAX_LENGTH,
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": QWEN_MAX_LENGTH,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},  # sums to 8/2
-        "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-    }  # fmt: skip
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     special = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         text_config=text,
@@ -449,8 +532,10 @@ def qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dict
     """The tiny ``qwenimage`` family's components (``edit``: ``qwenimage-edit``'s, the same transformer and VAE with a
     text encoder that also reads the source image). ``vae``: only ``kl`` (an AutoencoderKLQwenImage)."""
     if vae != "kl":
-        raise ValueError(f"the tiny {'qwenimage-edit' if edit else 'qwenimage'} pipeline has only vae='kl' (an "
-                         "AutoencoderKLQwenImage)")  # fmt: skip
+        raise ValueError(
+            f"the tiny {'qwenimage-edit' if edit else 'qwenimage'} pipeline has only vae='kl' (an "
+            "AutoencoderKLQwenImage)"
+        )
     tok = tiny_qwen_tokenizer(edit)
     s = seed * 16
     extra = {"processor": _qwen_processor(tok)} if edit else {}  # edit: the text encoder reads the source image too
@@ -458,27 +543,33 @@ def qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dict
         **extra,
         # Qwen-Image's layout in miniature: 2x2 patches of 4 latent channels, joint attention on the text
         # stream (dim = the text encoder's hidden size), RoPE axes summing to the head dim, no guidance embedding.
-        "transformer": _seeded(s + 0, lambda: QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,  # 4 latent channels x 2x2 packing
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            guidance_embeds=False,
-            axes_dims_rope=(4, 6, 6),
-        )),
+        "transformer": _seeded(
+            s + 0,
+            lambda: QwenImageTransformer2DModel(
+                patch_size=2,
+                in_channels=16,  # 4 latent channels x 2x2 packing
+                out_channels=4,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,
+                guidance_embeds=False,
+                axes_dims_rope=(4, 6, 6),
+            ),
+        ),
         # One down/up-sampling -> vae_scale_factor 2 (= 2 ** len(temperal_downsample)); the real first 4 channel stats.
-        "vae": _seeded(s + 1, lambda: AutoencoderKLQwenImage(
-            base_dim=4,
-            z_dim=4,
-            dim_mult=[1, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False],
-            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
-            latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
-        )),
+        "vae": _seeded(
+            s + 1,
+            lambda: AutoencoderKLQwenImage(
+                base_dim=4,
+                z_dim=4,
+                dim_mult=[1, 2],
+                num_res_blocks=1,
+                temperal_downsample=[False],
+                latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+                latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+            ),
+        ),
         "text_encoder": _seeded(s + 2, lambda: _qwen_text_encoder(tok)),
         "tokenizer": tok,
         # Qwen-Image's scheduler config: dynamic exponential shift from the image token count, terminal sigma 0.02.
@@ -529,32 +620,38 @@ def wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
     return {
         # Wan2.1's layout in miniature: 3D patches (1, 2, 2), self-attention with RoPE over (frame, row, column)
         # (head dim 12 = 4 + 4 + 4), cross-attention on the UMT5 embeddings (text_dim = d_model 32).
-        "transformer": _seeded(s + 0, lambda: WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=4,
-            out_channels=4,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )),
+        "transformer": _seeded(
+            s + 0,
+            lambda: WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=12,
+                in_channels=4,
+                out_channels=4,
+                text_dim=32,
+                freq_dim=32,
+                ffn_dim=32,
+                num_layers=2,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                rope_max_seq_len=32,
+            ),
+        ),
         # Two down-sampling stages, both also halving time: spatial factor 4, temporal factor 4 (the real VAE's).
-        "vae": _seeded(s + 1, lambda: AutoencoderKLWan(
-            base_dim=4,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[True, True],
-            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
-            latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
-            scale_factor_temporal=4,
-            scale_factor_spatial=4,
-        )),
+        "vae": _seeded(
+            s + 1,
+            lambda: AutoencoderKLWan(
+                base_dim=4,
+                z_dim=4,
+                dim_mult=[1, 2, 2],
+                num_res_blocks=1,
+                temperal_downsample=[True, True],
+                latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+                latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+                scale_factor_temporal=4,
+                scale_factor_spatial=4,
+            ),
+        ),
         "text_encoder": _seeded(s + 2, lambda: _umt5_encoder(tok)),
         "tokenizer": tok,
         # Wan2.1-T2V-1.3B-Diffusers' scheduler config: UniPC on flow sigmas with a static shift of 3 (480p).
@@ -577,7 +674,7 @@ def build_tiny_pipeline(
     The family's spec gives the components (its ``tiny`` builder) and the pipeline class (its first).
     vae: ``kl`` — an AutoencoderKL with the real model's scaling/shift factors (default; Qwen-Image / Wan: their own
     VAE type, the only choice); ``tiny`` — a TAESD-style AutoencoderTiny without normalisation layers, on which
-    image-level rewards (brightness) respond to the policy: the CPU learning tests and the README's main job use it.
+    image-level rewards (brightness) respond to the policy: the CPU learning tests use it.
     """
     if vae not in ("kl", "tiny"):
         raise ValueError(f"tiny pipeline vae must be 'kl' or 'tiny', got {vae!r}")

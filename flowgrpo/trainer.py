@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -84,8 +83,9 @@ class GRPOTrainer:
         self.config = config
         # Trackers need a logging directory at construction; it is pointed at the run directory once that exists.
         project = ProjectConfiguration(project_dir=config.run.output_dir, logging_dir=config.run.output_dir)
-        self.accelerator = Accelerator(log_with=config.run.trackers or None, project_config=project,
-                                       **cpu_launch_kwargs())  # fmt: skip
+        self.accelerator = Accelerator(
+            log_with=config.run.trackers or None, project_config=project, **cpu_launch_kwargs()
+        )
         acc = self.accelerator
         validate(config, world_size=acc.num_processes)
         check_launch(acc, config)
@@ -106,12 +106,16 @@ class GRPOTrainer:
         check_editing(datasets, adapter=self.adapter)  # source images need an editing model
         framed = [e.key for e in self.reward.entries if isinstance(e.reward, FrameReward)]
         if framed and self.adapter.family not in VIDEO_KINDS:  # else refused only at the first score, after sampling
-            raise ConfigError(f"rewards.{framed[0]}.frames says how to score video clips, but model.pretrained is a "
-                              f"{self.adapter.family} image pipeline: remove the frames option")  # fmt: skip
+            raise ConfigError(
+                f"rewards.{framed[0]}.frames says how to score video clips, but model.pretrained is a "
+                f"{self.adapter.family} image pipeline: remove the frames option"
+            )
         if config.model.compile:  # in place, before prepare(): rollout, loss and KL reference all run it compiled
             if self.deepspeed or self.fsdp:
-                raise ConfigError("model.compile=true runs on one process or under DDP; DeepSpeed and FSDP wrap the "
-                                  "transformer themselves: set model.compile: false")  # fmt: skip
+                raise ConfigError(
+                    "model.compile=true runs on one process or under DDP; DeepSpeed and FSDP wrap the "
+                    "transformer themselves: set model.compile: false"
+                )
             self.adapter.compile()
         set_seed(config.run.seed, device_specific=True)
         self.params = self.adapter.trainable_parameters()
@@ -125,10 +129,12 @@ class GRPOTrainer:
         per_pass = micro_batches_per_pass(config, acc.num_processes)
         self.steps_per_epoch = steps_per_epoch = per_pass * t.inner_epochs // self.accumulation
         self.lr_factor = make_lr_factor(config, config.run.epochs * steps_per_epoch)
-        acc.print(f"{steps_per_epoch} optimizer steps per epoch at {acc.num_processes} "
-                  f"process(es) (gradient accumulation {self.accumulation}"
-                  + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
-                  + ")")  # fmt: skip
+        acc.print(
+            f"{steps_per_epoch} optimizer steps per epoch at {acc.num_processes} "
+            f"process(es) (gradient accumulation {self.accumulation}"
+            + ("" if t.updates_per_epoch else "; set train.updates_per_epoch to keep it whatever the count")
+            + ")"
+        )
         self.phases = PhaseTimer()  # wall time of each loop phase (time/... metrics, scripts/bench.py epoch)
         self.state = TrainState()
         run = config.run
@@ -141,10 +147,20 @@ class GRPOTrainer:
             changes = recipe_changes(resume, config)
             if changes:
                 warn(f"resuming with settings that differ from the checkpoint's: {'; '.join(changes)}")
-            load_checkpoint(CheckpointParts(
-                accelerator=acc, transformer=self.adapter.transformer, params=self.params, optimizer=self.optimizer,
-                ema=self.ema, state=self.state, config=config, run_dir=self.run_dir, family=self.adapter.family,
-            ), resume)  # fmt: skip
+            load_checkpoint(
+                CheckpointParts(
+                    accelerator=acc,
+                    transformer=self.adapter.transformer,
+                    params=self.params,
+                    optimizer=self.optimizer,
+                    ema=self.ema,
+                    state=self.state,
+                    config=config,
+                    run_dir=self.run_dir,
+                    family=self.adapter.family,
+                ),
+                resume,
+            )
             acc.print(f"resumed from {resume} at epoch {self.state.epoch}")
             stamp = time.strftime("%Y%m%d-%H%M%S")
             if acc.is_main_process:
@@ -157,16 +173,33 @@ class GRPOTrainer:
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
         self.generator = torch.Generator(device="cpu")
         self.scorer: AsyncReward | None = None  # the epoch's background scoring
-        self.rollouts = get_rollout(config.sampler.rollout)(RolloutContext(
-            config, self.adapter, self.train_data, self.objective, self.generator, self.rank, acc.num_processes,
-            submit=lambda images, prompts, metadata, sources: self.scorer.submit(images, prompts, metadata,
-                                                                                source_images=sources),
-            should_stop=self._agree_to_stop, progress=self._bars,
-        ))  # fmt: skip
+        self.rollouts = get_rollout(config.sampler.rollout)(
+            RolloutContext(
+                config,
+                self.adapter,
+                self.train_data,
+                self.objective,
+                self.generator,
+                self.rank,
+                acc.num_processes,
+                submit=lambda images, prompts, metadata, sources: self.scorer.submit(
+                    images, prompts, metadata, source_images=sources
+                ),
+                should_stop=self._agree_to_stop,
+                progress=self._bars,
+            )
+        )
         self.stepper = AccumulatingStepper(
-            acc, self.adapter.transformer, self.optimizer, self.params, per_update=0, steps_per_epoch=steps_per_epoch,
-            lr=t.lr, lr_factor=self.lr_factor, max_grad_norm=t.max_grad_norm,
-        )  # fmt: skip
+            acc,
+            self.adapter.transformer,
+            self.optimizer,
+            self.params,
+            per_update=0,
+            steps_per_epoch=steps_per_epoch,
+            lr=t.lr,
+            lr_factor=self.lr_factor,
+            max_grad_norm=t.max_grad_norm,
+        )
         if acc.is_main_process and config.run.progress:
             print("resolved config:\n  " + config.to_yaml().rstrip().replace("\n", "\n  "))
         acc.project_configuration.project_dir = acc.project_configuration.logging_dir = str(self.run_dir)
@@ -199,15 +232,27 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
         cfg, acc = self.config, self.accelerator
-        bar = tqdm(range(self.state.epoch, cfg.run.epochs), desc="epochs", initial=self.state.epoch,
-                   total=cfg.run.epochs, disable=not (cfg.run.progress and acc.is_main_process))  # fmt: skip
+        bar = tqdm(
+            range(self.state.epoch, cfg.run.epochs),
+            desc="epochs",
+            initial=self.state.epoch,
+            total=cfg.run.epochs,
+            disable=not (cfg.run.progress and acc.is_main_process),
+        )
         every, save_every = cfg.eval.every, cfg.checkpoint.every
         if self.run_lock is not None:
             self.run_lock.acquire()  # again, if an earlier fit() of this trainer released it
         parts = CheckpointParts(  # what save_checkpoint writes
-            accelerator=acc, transformer=self.adapter.transformer, params=self.params, optimizer=self.optimizer,
-            ema=self.ema, state=self.state, config=cfg, run_dir=self.run_dir, family=self.adapter.family,
-        )  # fmt: skip
+            accelerator=acc,
+            transformer=self.adapter.transformer,
+            params=self.params,
+            optimizer=self.optimizer,
+            ema=self.ema,
+            state=self.state,
+            config=cfg,
+            run_dir=self.run_dir,
+            family=self.adapter.family,
+        )
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
         with stop_on_signals(self.stop):
@@ -293,9 +338,15 @@ class GRPOTrainer:
         # gather() concatenates in process order, so this process's rows are one contiguous block.
         advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]
         if cfg.run.debug_dump:
-            self._dump(f"epoch{epoch}", group_ids=trajectory.group_ids, local_total=local_scores["total"],
-                       all_total=gathered["total"], all_group_ids=all_group_ids, advantages=advantages,
-                       advantages_all=advantages_all)  # fmt: skip
+            self._dump(
+                f"epoch{epoch}",
+                group_ids=trajectory.group_ids,
+                local_total=local_scores["total"],
+                all_total=gathered["total"],
+                all_group_ids=all_group_ids,
+                advantages=advantages,
+                advantages_all=advantages_all,
+            )
         self.phases.add("advantages", start)
 
         # ================================ TRAIN ================================
@@ -303,14 +354,23 @@ class GRPOTrainer:
         stats = self.train_on(trajectory, advantages, epoch)
         timings["time/training"] = self.phases.add("training", start)
 
-        metrics: dict[str, float] = {"epoch": epoch, "global_step": self.state.global_step, **collected.metrics,
-                                     "reward/dropped_groups": dropped}  # fmt: skip
+        metrics: dict[str, float] = {
+            "epoch": epoch,
+            "global_step": self.state.global_step,
+            **collected.metrics,
+            "reward/dropped_groups": dropped,
+        }
         for k, v in gathered.items():
             finite = v[torch.isfinite(v)]
             metrics[f"reward/{k}/mean"] = finite.mean().item() if len(finite) else math.nan
             metrics[f"reward/{k}/std"] = finite.std().item() if len(finite) > 1 else 0.0
-        metrics.update({"advantage/mean": advantages_all.mean().item(), "advantage/std": advantages_all.std().item(),
-                        "advantage/abs_mean": advantages_all.abs().mean().item()})  # fmt: skip
+        metrics.update(
+            {
+                "advantage/mean": advantages_all.mean().item(),
+                "advantage/std": advantages_all.std().item(),
+                "advantage/abs_mean": advantages_all.abs().mean().item(),
+            }
+        )
         metrics.update(stats)
         metrics.update(timings)
         metrics["images_per_s"] = len(all_group_ids) / max(timings["time/sampling"] + timings["time/reward_wait"], 1e-9)
@@ -393,10 +453,17 @@ class GRPOTrainer:
         weights = self.ema.applied(self.params) if cfg.eval.use_ema else contextlib.nullcontext()
         with self.adapter.unwrapped(), weights:
             indices, images, scores = evaluate_shard(
-                self.adapter, self.test_data, self.reward, cfg.eval, resolution=cfg.model.resolution,
-                seed=cfg.run.seed, progress=self._bars, shard=(self.rank, acc.num_processes), equal_batches=self.fsdp,
+                self.adapter,
+                self.test_data,
+                self.reward,
+                cfg.eval,
+                resolution=cfg.model.resolution,
+                seed=cfg.run.seed,
+                progress=self._bars,
+                shard=(self.rank, acc.num_processes),
+                equal_batches=self.fsdp,
                 image_prompts=shown,
-            )  # fmt: skip
+            )
         self.adapter.clear_prompt_cache()
         parts = [(indices, images, scores)]  # images: only the grid's (the first prompts'), scores: all
         if acc.num_processes > 1:
@@ -441,12 +508,28 @@ class GRPOTrainer:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(metrics) + "\n")
             if epoch % self.config.run.log_every == 0:
-                shown = {k: metrics[k] for k in ("reward/total/mean", "eval/total", "train/loss", "train/ratio_mean",
-                                                 "train/clip_fraction", "train/kl", "train/grad_norm") if k in metrics}
+                shown = {
+                    k: metrics[k]
+                    for k in (
+                        "reward/total/mean",
+                        "eval/total",
+                        "train/loss",
+                        "train/ratio_mean",
+                        "train/clip_fraction",
+                        "train/kl",
+                        "train/grad_norm",
+                    )
+                    if k in metrics
+                }
                 # a verifier's held-out accuracies (e.g. eval/shapes/accuracy/exact), without the per-tag ones
-                shown.update({k: v for k, v in metrics.items() if k.startswith("eval/") and "/accuracy/" in k
-                              and "/tag/" not in k})  # fmt: skip
-                acc.print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))  # fmt: skip
+                shown.update(
+                    {
+                        k: v
+                        for k, v in metrics.items()
+                        if k.startswith("eval/") and "/accuracy/" in k and "/tag/" not in k
+                    }
+                )
+                acc.print(f"epoch {epoch}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
 
     def _save_sample_grid(self, trajectory: Trajectory, totals: torch.Tensor, epoch: int) -> None:
         """This process's sampled images, one row per group, captioned with group id and reward."""
@@ -455,7 +538,8 @@ class GRPOTrainer:
         folder = self.run_dir / "samples"
         folder.mkdir(exist_ok=True)
         image_grid(trajectory.images[order].cpu(), captions, columns=self.config.grpo.group_size).save(
-            folder / f"epoch{epoch:05d}.png")  # fmt: skip
+            folder / f"epoch{epoch:05d}.png"
+        )
 
     def _dump(self, name: str, **tensors: torch.Tensor) -> None:
         folder = self.run_dir / "debug"
@@ -471,8 +555,11 @@ class GRPOTrainer:
             write_before_after(self.run_dir)
         if self.config.run.debug_dump:
             shadow = self.ema.shadow if self.ema is not None else []
-            self._dump("final", **{f"p{i}": p for i, p in enumerate(self.params)},
-                       **{f"ema{i}": s for i, s in enumerate(shadow)})  # fmt: skip
+            self._dump(
+                "final",
+                **{f"p{i}": p for i, p in enumerate(self.params)},
+                **{f"ema{i}": s for i, s in enumerate(shadow)},
+            )
         acc.wait_for_everyone()
         acc.end_training()
 

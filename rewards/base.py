@@ -23,9 +23,12 @@ from torch import Tensor
 Metadata = Sequence[Mapping[str, Any]]
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -72,8 +75,10 @@ def check_inputs(
             raise ValueError(f"images must be a float tensor of shape (B, 3, H, W); got {got} {clips}")
         hint = ""
         if torch.is_tensor(images) and images.ndim == 5:  # clips given to an image reward
-            hint = (" (a video batch (B, F, 3, H, W): score it through build_reward's combined reward, which scores "
-                    "image rewards frame by frame, or wrap the reward in rewards.FrameReward)")  # fmt: skip
+            hint = (
+                " (a video batch (B, F, 3, H, W): score it through build_reward's combined reward, which scores "
+                "image rewards frame by frame, or wrap the reward in rewards.FrameReward)"
+            )
         raise ValueError(f"images must be a float tensor of shape (B, 3, H, W); got {got}{hint}")
     if not images.is_floating_point():
         raise ValueError(f"images must be floating point in [0, 1]; got {images.dtype} (divide uint8 by 255)")

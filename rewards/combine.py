@@ -54,8 +54,9 @@ class CombinedReward:
         self.nan_policy = check_nan_policy(nan_policy)
         self._takes_sources = {e.key: accepts_source_images(e.reward) for e in self.entries}
         # what scores a video batch under each key: the reward itself, or its frame-by-frame wrapper
-        self._video = {e.key: e.reward if takes_video(e.reward) else FrameReward(e.reward, name=e.key)
-                       for e in self.entries}  # fmt: skip
+        self._video = {
+            e.key: e.reward if takes_video(e.reward) else FrameReward(e.reward, name=e.key) for e in self.entries
+        }
 
     @property
     def weights(self) -> dict[str, float]:

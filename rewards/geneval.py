@@ -81,16 +81,87 @@ from .registry import register_reward
 
 # GenEval's object_names.txt: COCO's 80 thing classes in COCO order, with GenEval's wording for three of them.
 CLASSES: tuple[str, ...] = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "computer mouse", "tv remote",
-    "computer keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock",
-    "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
-)  # fmt: skip
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "computer mouse",
+    "tv remote",
+    "computer keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
+)
 COLORS: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -412,9 +483,14 @@ class GenEvalReward(ModelReward):
         self.detector = self._setup_model(net)
         # The colour classifier: open_clip through clipscore's loader (QuickGELU for openai weights, local files).
         self.clip = ClipScore(
-            pretrained=clip_pretrained, model=clip_model, model_config=clip_config, random_init=random_init,
-            seed=seed, device=device, dtype=dtype,
-        )  # fmt: skip
+            pretrained=clip_pretrained,
+            model=clip_model,
+            model_config=clip_config,
+            random_init=random_init,
+            seed=seed,
+            device=device,
+            dtype=dtype,
+        )
         self.thresholds = (float(threshold), float(counting_threshold))
         self.max_objects, self.max_overlap = int(max_objects), float(max_overlap)
         self.position_threshold, self.max_per_image = float(position_threshold), int(max_per_image)
@@ -453,14 +529,22 @@ class GenEvalReward(ModelReward):
         for cls_logits, mask_logits, tag in zip(out.class_queries_logits, out.masks_queries_logits, tags, strict=True):
             threshold = self._threshold(tag)
             pairs = instance_detections(
-                cls_logits, mask_logits, padded_size=padded, resized_size=resized, image_size=(height, width),
-                min_score=threshold, max_per_image=self.max_per_image,
-            )  # fmt: skip
+                cls_logits,
+                mask_logits,
+                padded_size=padded,
+                resized_size=resized,
+                image_size=(height, width),
+                min_score=threshold,
+                max_per_image=self.max_per_image,
+            )
             candidates: dict[str, list[Detection]] = {}
             for label, det in pairs:
                 candidates.setdefault(self.class_names[label], []).append(det)
-            results.append(select_objects(candidates, threshold=threshold, max_objects=self.max_objects,
-                                          max_overlap=self.max_overlap))  # fmt: skip
+            results.append(
+                select_objects(
+                    candidates, threshold=threshold, max_objects=self.max_objects, max_overlap=self.max_overlap
+                )
+            )
         return results
 
     # ---------------------------------------------------------------- colour

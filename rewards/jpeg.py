@@ -27,9 +27,7 @@ def jpeg_size_kb(pixels_hwc, quality: int = 95) -> float:
 class JpegIncompressibility(BaseReward):
     sign = 1.0
 
-    def __init__(
-        self, *, device: str | torch.device = "cpu", batch_size: int | None = None, quality: int = 95
-    ) -> None:
+    def __init__(self, *, device: str | torch.device = "cpu", batch_size: int | None = None, quality: int = 95) -> None:
         super().__init__(device="cpu", batch_size=batch_size)  # PIL encodes on the CPU
         if not 1 <= quality <= 100:
             raise ValueError(f"{self.name}: quality must be in [1, 100]; got {quality}")

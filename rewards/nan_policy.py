@@ -69,6 +69,9 @@ def apply_nan_policy(
     per_key = ", ".join(f"{k}={int((~torch.isfinite(scores[k])).sum())}" for k in keys)
     logger.warning(
         "dropped %d of %d groups (%d samples) with non-finite rewards: %s",
-        bad_groups.numel(), groups.unique().numel(), int((~keep).sum()), per_key,
+        bad_groups.numel(),
+        groups.unique().numel(),
+        int((~keep).sum()),
+        per_key,
     )
     return keep, int(bad_groups.numel())

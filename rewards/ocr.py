@@ -100,5 +100,9 @@ class OcrReward(BaseReward):
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Tensor:
         targets = [str(m["text"]) if "text" in m else quoted_text(p) for p, m in zip(prompts, metadata, strict=True)]
         pixels = to_uint8_hwc(images)
-        return torch.tensor([ocr_score(self.recognize(img), t, containment=self.containment)
-                             for img, t in zip(pixels, targets, strict=True)])  # fmt: skip
+        return torch.tensor(
+            [
+                ocr_score(self.recognize(img), t, containment=self.containment)
+                for img, t in zip(pixels, targets, strict=True)
+            ]
+        )

@@ -182,8 +182,17 @@ def detect_objects(image: np.ndarray, *, max_color_distance: float = 0.35, min_a
             fill = area / mask.size
             ys, xs = np.nonzero(mask)
             height = (ys.mean() + 0.5) / mask.shape[0]
-            found.append(Detection(color, classify_shape(fill, height), area, float(xs.mean() + box[1].start),
-                                   float(ys.mean() + box[0].start), fill, height))  # fmt: skip
+            found.append(
+                Detection(
+                    color,
+                    classify_shape(fill, height),
+                    area,
+                    float(xs.mean() + box[1].start),
+                    float(ys.mean() + box[0].start),
+                    fill,
+                    height,
+                )
+            )
     return found
 
 
@@ -207,8 +216,9 @@ def judge(spec: SceneSpec, found: list[Detection], count_weight: float = 0.0) ->
     colour over any shape, and in all), so that a sample with the right number of blobs of each colour but
     misread shapes earns part of the credit (the colour+count measure, made dense).
     """
-    matches = [[d for d in found if d.shape == o.shape and (o.color is None or d.color == o.color)]
-               for o in spec.objects]  # fmt: skip
+    matches = [
+        [d for d in found if d.shape == o.shape and (o.color is None or d.color == o.color)] for o in spec.objects
+    ]
     pairs = list(zip(matches, spec.objects, strict=True))
     credits = [_count_credit(len(m), o.count) for m, o in pairs]
     exact_counts = all(len(m) == o.count for m, o in pairs)
@@ -259,10 +269,13 @@ class ShapesReward(BaseReward):
     def verdicts(self, images: Tensor, prompts: list[str]) -> list[Verdict]:
         pixels = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
         return [
-            judge(parse_prompt(p), detect_objects(x, max_color_distance=self.max_color_distance,
-                                                  min_area=self.min_area), self.count_weight)
+            judge(
+                parse_prompt(p),
+                detect_objects(x, max_color_distance=self.max_color_distance, min_area=self.min_area),
+                self.count_weight,
+            )
             for x, p in zip(pixels, prompts, strict=True)
-        ]  # fmt: skip
+        ]
 
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> dict[str, list[float]]:
         verdicts = self.verdicts(images, prompts)

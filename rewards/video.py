@@ -76,10 +76,12 @@ class FrameReward:
         batch, count = frames.shape[:2]
         flat = frames.reshape(batch * count, *frames.shape[2:])
         scores = as_score_dict(
-            self.reward(flat, [p for p in prompts for _ in range(count)],
-                        [dict(m) for m in metadata for _ in range(count)]),
-            self.name, batch * count,
-        )  # fmt: skip
+            self.reward(
+                flat, [p for p in prompts for _ in range(count)], [dict(m) for m in metadata for _ in range(count)]
+            ),
+            self.name,
+            batch * count,
+        )
         reduce = FRAME_REDUCTIONS[self.reduce]
         return {key: reduce(value.view(batch, count)) for key, value in scores.items()}
 

@@ -118,7 +118,9 @@ TEMPLATES: dict[str, Template] = {
     "unifiedreward": Template(
         "<image>\n" + _UNIFIEDREWARD_CRITERIA + "Based on the above criteria, assign a score from 1 to 5 after "
         "'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]",
-        "regex", _FINAL_SCORE, (0.0, 5.0),
+        "regex",
+        _FINAL_SCORE,
+        (0.0, 5.0),
     ),
     # CodeGoat24/UnifiedReward inference_qwen/image_generation/qwen_point_score_image_generation.py
     "unifiedreward_qwen": Template(
@@ -126,15 +128,19 @@ TEMPLATES: dict[str, Template] = {
         "the generated image using the format: 'element (type): value' (where value=0 means not generated, and "
         "value=1 means generated), and assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as "
         "follows:\nText Caption: [{prompt}]",
-        "regex", _FINAL_SCORE, (0.0, 5.0),
+        "regex",
+        _FINAL_SCORE,
+        (0.0, 5.0),
     ),
     "yes_no": Template('Does this image match the description "{prompt}"? Answer Yes or No.', "yes_no"),
     "rating": Template(
         'Rate this image from 0 to 10 for how well it matches the description "{prompt}" and for its visual '
         "quality (10: a faithful, flawless image). Reply with the number only.",
-        "number", None, (0.0, 10.0),
+        "number",
+        None,
+        (0.0, 10.0),
     ),
-}  # fmt: skip
+}
 
 
 class VlmRewardError(RemoteRewardError):
@@ -396,9 +402,14 @@ class VlmReward(BaseReward):
             logger.warning(
                 "vlm judge %s: %d of %d replies could not be parsed by the '%s' parser (scored %s); first, for "
                 "prompt %r: %r",
-                self.url, len(failed), len(results), self.parser, self.parse_failure_score, prompts[failed[0]],
+                self.url,
+                len(failed),
+                len(results),
+                self.parser,
+                self.parse_failure_score,
+                prompts[failed[0]],
                 results[failed[0]][1][:200],
-            )  # fmt: skip
+            )
         scores = [self.parse_failure_score if value is None else value for value, _ in results]
         return torch.tensor(scores, dtype=torch.float64)
 

@@ -1,6 +1,6 @@
 """ODE-to-SDE samplers for flow matching with exact per-step Gaussian likelihoods. Pure tensor maths.
 
-Conventions (DESIGN.md §3): t = sigma from 1 (noise) to 0 (data), ``x_t = (1 - t) x0 + t eps``,
+Conventions (docs/design.md §3): t = sigma from 1 (noise) to 0 (data), ``x_t = (1 - t) x0 + t eps``,
 ``v ≈ eps - x0``. Every stochastic step returns a :class:`Transition` ``(sample, mean, std, log_prob)``.
 Step kinds, diffusions and post-window solvers are registered by name (``register_sde_step``, ``register_diffusion``,
 ``register_solver``): a new one is one decorated function, and the config accepts its name.

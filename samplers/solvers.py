@@ -71,7 +71,7 @@ def compress_schedule(sigmas: Tensor, after: int, ratio: float) -> Tensor:
     The tail of ``T - after`` steps becomes ``n_post = max(int((T - after) · ratio), 1)`` steps whose
     sigmas are taken from the original ones at evenly spaced indices (end points kept), so the compressed
     schedule still ends exactly at 0. ``after`` is the index of the first step after the window
-    (``window.stop``); DESIGN.md writes ``T - last - 1`` with ``last = after - 1``.
+    (``window.stop``); docs/design.md §3.4 writes ``T - last - 1`` with ``last = after - 1``.
 
     This is the rule for the pipelines' own schedules (no ``sampler.time_shift``), which MixGRPO never uses;
     for the static shifted schedule the rollout follows MixGRPO's construction, :func:`mixgrpo_tail_schedule`.

@@ -1,6 +1,6 @@
 """ODE and SDE steps for flow matching, each a pure function that returns its likelihood.
 
-Notation (DESIGN.md §3): time t is the scheduler's sigma (1 = noise, 0 = data),
+Notation (docs/design.md §3): time t is the scheduler's sigma (1 = noise, 0 = data),
 ``x_t = (1 - t) x0 + t eps``, the network predicts ``v ≈ eps - x0``, ``dt = t_next - t < 0``,
 ``Δ = -dt``. From ``(x, t, v)``: ``x0_hat = x - t v``, ``eps_hat = x + (1 - t) v``,
 score ``s = -eps_hat / t``.

@@ -1,4 +1,5 @@
-"""Train the shapes task with every sampler on the same budget, and write docs/shapes.md (a table and a plot).
+"""Train the shapes task with every sampler on the same budget, and write docs/samplers_comparison.md (a table and a
+plot; docs/shapes.md §8 holds the measured one).
 
     python scripts/compare_samplers.py                       # all samplers, seeds 0 and 1, configs/shapes.yaml
     python scripts/compare_samplers.py --samplers flowgrpo cps --seeds 0 --epochs 4   # a quick look
@@ -29,21 +30,45 @@ from flowgrpo.report import read_metrics  # noqa: E402
 SAMPLERS: dict[str, tuple[str, list[str]]] = {
     "flowgrpo": ("Euler-Maruyama, g = 0.7 sqrt(t/(1-t)) (Flow-GRPO)", []),
     "dancegrpo": ("Euler-Maruyama, g = 0.3 (DanceGRPO)", ["sampler.diffusion=dance", "sampler.noise_level=0.3"]),
-    "cps": ("coefficients-preserving, a = 0.8, random window of 2 in steps 0-4 (Flow-GRPO-Fast)",
-            ["sampler.kind=cps", "sampler.noise_level=0.8", "sampler.window.size=2", "sampler.window.strategy=random",
-             "sampler.window.max_start=4"]),
-    "langevin_frozen": ("Langevin-corrected, frozen score (LC-GRPO, 1 call per step)",
-                        ["sampler.kind=langevin", "sampler.score_eval=frozen"]),
-    "langevin_reeval": ("Langevin-corrected, re-evaluated score (2 calls per SDE step)",
-                        ["sampler.kind=langevin", "sampler.score_eval=reeval"]),
-    "mixgrpo": ("SDE window of 4 moving every 2 epochs, ODE elsewhere (MixGRPO)",
-                ["sampler.window.size=4", "sampler.window.strategy=progressive", "sampler.window.shift_interval=2",
-                 "sampler.window.roll_back=true"]),
-    "mixgrpo_flash": ("MixGRPO + DPM-Solver++(2M) on 40% of the tail (MixGRPO-Flash)",
-                      ["sampler.window.size=4", "sampler.window.strategy=progressive",
-                       "sampler.window.shift_interval=2", "sampler.window.roll_back=true",
-                       "sampler.post_window.solver=dpmpp_2m", "sampler.post_window.ratio=0.4"]),
-}  # fmt: skip
+    "cps": (
+        "coefficients-preserving, a = 0.8, random window of 2 in steps 0-4 (Flow-GRPO-Fast)",
+        [
+            "sampler.kind=cps",
+            "sampler.noise_level=0.8",
+            "sampler.window.size=2",
+            "sampler.window.strategy=random",
+            "sampler.window.max_start=4",
+        ],
+    ),
+    "langevin_frozen": (
+        "Langevin-corrected, frozen score (LC-GRPO, 1 call per step)",
+        ["sampler.kind=langevin", "sampler.score_eval=frozen"],
+    ),
+    "langevin_reeval": (
+        "Langevin-corrected, re-evaluated score (2 calls per SDE step)",
+        ["sampler.kind=langevin", "sampler.score_eval=reeval"],
+    ),
+    "mixgrpo": (
+        "SDE window of 4 moving every 2 epochs, ODE elsewhere (MixGRPO)",
+        [
+            "sampler.window.size=4",
+            "sampler.window.strategy=progressive",
+            "sampler.window.shift_interval=2",
+            "sampler.window.roll_back=true",
+        ],
+    ),
+    "mixgrpo_flash": (
+        "MixGRPO + DPM-Solver++(2M) on 40% of the tail (MixGRPO-Flash)",
+        [
+            "sampler.window.size=4",
+            "sampler.window.strategy=progressive",
+            "sampler.window.shift_interval=2",
+            "sampler.window.roll_back=true",
+            "sampler.post_window.solver=dpmpp_2m",
+            "sampler.post_window.ratio=0.4",
+        ],
+    ),
+}
 
 
 def calls_per_image(config) -> tuple[float, float]:
@@ -89,9 +114,20 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> Path:
     done = [d for d in sorted(out.glob("*")) if _last_epoch(d) == args.epochs - 1]
     if done:
         return done[-1]
-    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(args.config),
-               f"run.name={name}", f"run.output_dir={out}", f"run.seed={seed}", f"run.epochs={args.epochs}",
-               f"eval.every={args.eval_every}", "run.progress=false", *SAMPLERS[name][1], *args.overrides]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        str(args.config),
+        f"run.name={name}",
+        f"run.output_dir={out}",
+        f"run.seed={seed}",
+        f"run.epochs={args.epochs}",
+        f"eval.every={args.eval_every}",
+        "run.progress=false",
+        *SAMPLERS[name][1],
+        *args.overrides,
+    ]
     print(f"[{name} seed {seed}] {' '.join(command[2:])}", flush=True)
     subprocess.run(command, check=True, cwd=ROOT)
     done = [d for d in sorted(out.glob("*")) if _last_epoch(d) == args.epochs - 1]
@@ -137,8 +173,9 @@ def write_report(results: dict[str, list[Path]], args: argparse.Namespace) -> No
     images = len(json.loads(sorted((first_run / "eval").glob("epoch*.json"))[0].read_text())["images"])
     per_tag = images // len(TAGS)
     overall_se, tag_se = 100 * (0.3 * 0.7 / images) ** 0.5, 100 * (0.5 * 0.5 / per_tag) ** 0.5
-    lines.append("| base model (before RL) | " + " | ".join(f"{100 * base[key.format(c)]:.1f}" for c in columns)
-                 + " | | | |")  # fmt: skip
+    lines.append(
+        "| base model (before RL) | " + " | ".join(f"{100 * base[key.format(c)]:.1f}" for c in columns) + " | | | |"
+    )
     for name, runs in results.items():
         finals = [curve(r)[-1] for r in runs]
         config = load_config(str(args.config), [*SAMPLERS[name][1], f"run.epochs={args.epochs}", *args.overrides])
@@ -204,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=None, help="default: the config's eval.every")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "shapes.yaml")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "shapes.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "samplers_comparison.md")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args(argv)
 

@@ -57,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary, images, prompts, scores = evaluate(
-            adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed,
-            progress=True, image_prompts=grid_prompts(config.eval.samples_per_prompt),
-        )  # fmt: skip
+            adapter,
+            dataset,
+            reward,
+            config.eval,
+            resolution=config.model.resolution,
+            seed=config.run.seed,
+            progress=True,
+            image_prompts=grid_prompts(config.eval.samples_per_prompt),
+        )
         # Checked again: evaluation takes a while, and --out may have been filled meanwhile.
         check_output_dir(
             out, overwrite=args.overwrite, kind="eval", protected=protected_dirs(config), keep=[checkpoint]

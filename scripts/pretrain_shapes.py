@@ -76,8 +76,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--vae-latent-noise", type=float, default=0.1, help="std of the noise added to latents in training")
     args = p.parse_args(argv)
-    positive = ("steps", "batch_size", "vae_steps", "vae_batch_size", "warmup", "threads", "checkpoint_every",
-                "eval_every", "eval_per_tag")  # fmt: skip
+    positive = (
+        "steps",
+        "batch_size",
+        "vae_steps",
+        "vae_batch_size",
+        "warmup",
+        "threads",
+        "checkpoint_every",
+        "eval_every",
+        "eval_per_tag",
+    )
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -126,9 +135,13 @@ def load_flat_state(modules: dict[str, torch.nn.Module], state: dict[str, torch.
 
 
 def save_checkpoint(
-    final: Path, step: int, modules: dict[str, torch.nn.Module], ema: dict[str, torch.Tensor] | None, optimizer,
+    final: Path,
+    step: int,
+    modules: dict[str, torch.nn.Module],
+    ema: dict[str, torch.Tensor] | None,
+    optimizer,
     elapsed: float,
-) -> None:  # fmt: skip
+) -> None:
     """``final``: weights, EMA, optimizer (plain tensors: loads with weights_only), step; written atomically."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -155,9 +168,16 @@ def evaluate(pipe, ema: dict[str, torch.Tensor], specs: list, args: argparse.Nam
     latents = torch.randn(len(prompts), LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE, generator=generator)
     images = []
     for i in range(0, len(prompts), 64):
-        images.append(scored(prompts[i : i + 64], latents=latents[i : i + 64], num_inference_steps=args.eval_steps,
-                             guidance_scale=args.guidance_scale, max_sequence_length=TEXT_LENGTH,
-                             output_type="pt").images)  # fmt: skip
+        images.append(
+            scored(
+                prompts[i : i + 64],
+                latents=latents[i : i + 64],
+                num_inference_steps=args.eval_steps,
+                guidance_scale=args.guidance_scale,
+                max_sequence_length=TEXT_LENGTH,
+                output_type="pt",
+            ).images
+        )
     scores = ShapesReward()(torch.cat(images), prompts)
     result = {
         "exact": scores["accuracy/exact"].mean().item(),
@@ -176,8 +196,13 @@ class StageMismatch(RuntimeError):
 
 def vae_arguments(args: argparse.Namespace) -> dict:
     """What stage 1's result depends on: a finished autoencoder is reused only under the same values."""
-    return {"seed": args.seed, "vae_steps": args.vae_steps, "vae_batch_size": args.vae_batch_size,
-            "vae_lr": args.vae_lr, "vae_latent_noise": args.vae_latent_noise}  # fmt: skip
+    return {
+        "seed": args.seed,
+        "vae_steps": args.vae_steps,
+        "vae_batch_size": args.vae_batch_size,
+        "vae_lr": args.vae_lr,
+        "vae_latent_noise": args.vae_latent_noise,
+    }
 
 
 def train_vae(
@@ -237,10 +262,14 @@ def train_vae(
         vae.register_to_config(shift_factor=latents.mean().item(), scaling_factor=1 / latents.std().item())
         decoded = ((vae.decode(latents).sample + 1) / 2).clamp(0, 1)
         scores = ShapesReward()(decoded, [s.prompt for s in specs])
-    record = {"arguments": vae_arguments(args), "minutes": (time.time() - t0) / 60,
-              "reconstruction_mse": (decoded - pixels).square().mean().item(),  # of 512 fresh scenes, in [0, 1]
-              "reconstruction_exact": scores["accuracy/exact"].mean().item(),
-              "shift_factor": vae.config.shift_factor, "scaling_factor": vae.config.scaling_factor}  # fmt: skip
+    record = {
+        "arguments": vae_arguments(args),
+        "minutes": (time.time() - t0) / 60,
+        "reconstruction_mse": (decoded - pixels).square().mean().item(),  # of 512 fresh scenes, in [0, 1]
+        "reconstruction_exact": scores["accuracy/exact"].mean().item(),
+        "shift_factor": vae.config.shift_factor,
+        "scaling_factor": vae.config.scaling_factor,
+    }
     tqdm.write(f"autoencoder: verifier exact on 512 reconstructions {record['reconstruction_exact']:.3f}")
     tmp = args.work / "vae.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -268,8 +297,11 @@ def export(pipe, ema: dict[str, torch.Tensor], out: Path, args: argparse.Namespa
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     final.save_pretrained(tmp, safe_serialization=True)
-    record = {"command": "python scripts/pretrain_shapes.py " + " ".join(sys.argv[1:]),
-              "args": {k: str(v) for k, v in vars(args).items()}, **log}  # fmt: skip
+    record = {
+        "command": "python scripts/pretrain_shapes.py " + " ".join(sys.argv[1:]),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        **log,
+    }
     (tmp / "pretraining.json").write_text(json.dumps(record, indent=2))
     if out.exists():
         shutil.rmtree(out)
@@ -329,10 +361,16 @@ def _pretrain(args: argparse.Namespace, stop_after: int | None) -> int:
         t = torch.sigmoid(torch.randn(args.batch_size, generator=generator))  # logit-normal(0, 1)
         noise = torch.randn(x0.shape, generator=generator)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
-        embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
-                                                  max_sequence_length=TEXT_LENGTH)  # fmt: skip
-        v = pipe.transformer(hidden_states=xt, timestep=t * 1000, encoder_hidden_states=embeds,
-                             pooled_projections=pooled, return_dict=False)[0]  # fmt: skip
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            prompts, None, None, do_classifier_free_guidance=False, max_sequence_length=TEXT_LENGTH
+        )
+        v = pipe.transformer(
+            hidden_states=xt,
+            timestep=t * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
         loss = torch.nn.functional.mse_loss(v, noise - x0)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
@@ -356,8 +394,10 @@ def _pretrain(args: argparse.Namespace, stop_after: int | None) -> int:
             row = {"step": done, "minutes": (time.time() - t0) / 60, "loss": loss.item(), **result}
             with log_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            tqdm.write(f"step {done} ({row['minutes']:.1f} min): held-out exact {result['exact']:.3f} "
-                       f"colour+count {result['color_count']:.3f} partial {result['partial']:.3f}")  # fmt: skip
+            tqdm.write(
+                f"step {done} ({row['minutes']:.1f} min): held-out exact {result['exact']:.3f} "
+                f"colour+count {result['color_count']:.3f} partial {result['partial']:.3f}"
+            )
         if done % args.checkpoint_every == 0 or done == args.steps:
             save_checkpoint(checkpoint, done, modules, ema, optimizer, time.time() - t0)
     if end < args.steps:

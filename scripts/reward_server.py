@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a client may take to send a request (default %(default)g)",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     try:
@@ -103,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        server = make_reward_server(reward, port=args.port, host=args.host, max_request_mb=args.max_request_mb,
-                                    max_pixels=args.max_pixels, timeout=args.timeout)  # fmt: skip
+        server = make_reward_server(
+            reward,
+            port=args.port,
+            host=args.host,
+            max_request_mb=args.max_request_mb,
+            max_pixels=args.max_pixels,
+            timeout=args.timeout,
+        )
     except ValueError as err:  # a host that is not loopback, a limit that is not positive
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Closed-form flow for Gaussian data ``x0 ~ N(m, τ² I)`` (DESIGN.md §3.5): the exact velocity field."""
+"""Closed-form flow for Gaussian data ``x0 ~ N(m, τ² I)`` (docs/design.md §3.5): the exact velocity field."""
 
 from __future__ import annotations
 

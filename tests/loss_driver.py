@@ -1,7 +1,7 @@
 """Runs scripts/train.py with the GRPO loss altered on chosen backward passes, the same ones on every rank.
 
-    FLOWGRPO_TEST_LOSS="nan:10"      the 10th loss is NaN
-    FLOWGRPO_TEST_LOSS="zero:3,10"   the 3rd and 10th losses are multiplied by 0 (they contribute no gradient)
+FLOWGRPO_TEST_LOSS="nan:10"      the 10th loss is NaN
+FLOWGRPO_TEST_LOSS="zero:3,10"   the 3rd and 10th losses are multiplied by 0 (they contribute no gradient)
 """
 
 from __future__ import annotations

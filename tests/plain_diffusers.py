@@ -21,8 +21,21 @@ def run_plain_diffusers(
     path = workdir / "plain.py"
     path.write_text(script)
     out = workdir / "plain_outputs.pt"
-    run = subprocess.run([sys.executable, str(path), str(base), str(lora), str(merged), str(workdir / "latents.pt"),
-                          "|".join(prompts), str(out)], env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(path),
+            str(base),
+            str(lora),
+            str(merged),
+            str(workdir / "latents.pt"),
+            "|".join(prompts),
+            str(out),
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(out)

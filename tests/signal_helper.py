@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 
-def sigterm_after_epochs(cmd: list[str], output_dir: Path, epochs: int, *, cwd: Path, env: dict[str, str],
-                         timeout: float = 300) -> tuple[subprocess.Popen, str, str]:  # fmt: skip
+def sigterm_after_epochs(
+    cmd: list[str], output_dir: Path, epochs: int, *, cwd: Path, env: dict[str, str], timeout: float = 300
+) -> tuple[subprocess.Popen, str, str]:
     """Run ``cmd``; once ``epochs`` rows are in the run's metrics.jsonl (or it exits), SIGTERM it and wait."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout

@@ -50,8 +50,17 @@ def test_all_writes_the_report_and_keeps_the_gpu_section(tmp_path):
     argv = ["--quick", "--only", "window,scaling", "--out", str(out), "--json", str(tmp_path / "a.json")]
     assert report.main(argv) == 0
     text = out.read_text()
-    for part in ("# Benchmarks", "command: `python scripts/bench.py all --quick", "machine:", "torch", "diffusers",
-                 "## window", "## scaling", "| window w |", "GPU TABLE FROM THE DEVICE"):  # fmt: skip
+    for part in (
+        "# Benchmarks",
+        "command: `python scripts/bench.py all --quick",
+        "machine:",
+        "torch",
+        "diffusers",
+        "## window",
+        "## scaling",
+        "| window w |",
+        "GPU TABLE FROM THE DEVICE",
+    ):
         assert part in text
     assert "old" not in text.splitlines()[0]
     saved = json.loads((tmp_path / "a.json").read_text())
@@ -69,10 +78,18 @@ def test_gpu_section_is_replaced_or_appended(tmp_path):
 
 
 def test_gpu_merge_renders_the_tables(tmp_path):
-    row = {"kind": "sd3", "steps": 10, "batch": 8, "size": 512, "rows_per_image": 2, "forward_tflop": 2.44,
-           "train_tflop": 5.23, "decode_tflop": 1.2,
-           "rollout": {"images_per_s": 3.0, "ode/pipe": 1.0, "sde/ode": 1.01, "peak_gib": 20.0, "mfu": 0.4},
-           "train": [{"setting": "no-checkpointing", "seconds": 0.2, "peak_gib": 50.0, "mfu": 0.5}]}  # fmt: skip
+    row = {
+        "kind": "sd3",
+        "steps": 10,
+        "batch": 8,
+        "size": 512,
+        "rows_per_image": 2,
+        "forward_tflop": 2.44,
+        "train_tflop": 5.23,
+        "decode_tflop": 1.2,
+        "rollout": {"images_per_s": 3.0, "ode/pipe": 1.0, "sde/ode": 1.01, "peak_gib": 20.0, "mfu": 0.4},
+        "train": [{"setting": "no-checkpointing", "seconds": 0.2, "peak_gib": 50.0, "mfu": 0.5}],
+    }
     parts = []
     compiled = {**row, "rollout": None, "train": [{**row["train"][0], "setting": "compile"}]}
     for i, results in enumerate([[row], [compiled]]):
@@ -114,9 +131,18 @@ def test_flops_are_counted_on_the_meta_device_as_on_the_real_module():
 
 def test_phase_timer_splits_epochs_into_phases_and_idle():
     timer = PhaseTimer()
-    timer.spans.extend([Span("epoch", 0, 0), Span("sampling", 0, 3), Span("reward_wait", 3, 4),
-                        Span("training", 4.5, 8), Span("checkpoint", 8, 9), Span("epoch", 10, 10),
-                        Span("sampling", 10, 12), Span("end", 13, 13)])  # fmt: skip
+    timer.spans.extend(
+        [
+            Span("epoch", 0, 0),
+            Span("sampling", 0, 3),
+            Span("reward_wait", 3, 4),
+            Span("training", 4.5, 8),
+            Span("checkpoint", 8, 9),
+            Span("epoch", 10, 10),
+            Span("sampling", 10, 12),
+            Span("end", 13, 13),
+        ]
+    )
     first, second = timer.epochs()
     assert first["wall"] == 10 and first["sampling"] == 3 and first["training"] == 3.5
     assert first["idle"] == pytest.approx(10 - 3 - 1 - 3.5 - 1)

@@ -30,17 +30,24 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def _trainer(tmp_path, *overrides):
-    return GRPOTrainer(load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "eval.every=0",
-                                          *overrides]))  # fmt: skip
+    return GRPOTrainer(
+        load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "eval.every=0", *overrides])
+    )
 
 
 def _parts(trainer: GRPOTrainer) -> CheckpointParts:
     """What the trainer hands save_checkpoint / load_checkpoint."""
     return CheckpointParts(
-        accelerator=trainer.accelerator, transformer=trainer.adapter.transformer, params=trainer.params,
-        optimizer=trainer.optimizer, ema=trainer.ema, state=trainer.state, config=trainer.config,
-        run_dir=trainer.run_dir, family=trainer.adapter.family,
-    )  # fmt: skip
+        accelerator=trainer.accelerator,
+        transformer=trainer.adapter.transformer,
+        params=trainer.params,
+        optimizer=trainer.optimizer,
+        ema=trainer.ema,
+        state=trainer.state,
+        config=trainer.config,
+        run_dir=trainer.run_dir,
+        family=trainer.adapter.family,
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,8 +78,15 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
 
 def test_the_lr_schedule_follows_the_optimizer_steps_and_a_resume_continues_it(tmp_path):
     # Two passes per epoch: the steps per epoch (the schedule's length) count both.
-    common = ["run.epochs=3", "checkpoint.every=1", "checkpoint.keep_last=3", "train.lr=1e-3", "train.inner_epochs=2",
-              "train.lr_schedule=cosine", "train.lr_warmup_steps=1"]  # fmt: skip
+    common = [
+        "run.epochs=3",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=3",
+        "train.lr=1e-3",
+        "train.inner_epochs=2",
+        "train.lr_schedule=cosine",
+        "train.lr_warmup_steps=1",
+    ]
     full = _trainer(tmp_path / "a", *common)
     full.fit()
     rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -84,8 +98,9 @@ def test_the_lr_schedule_follows_the_optimizer_steps_and_a_resume_continues_it(t
         return step / 1 if step < 1 else 0.5 * (1 + math.cos(math.pi * (step - 1) / (total - 1)))
 
     # train/lr is the lr of the epoch's last optimizer step, taken after (e + 1) · per_epoch - 1 steps.
-    assert [r["train/lr"] for r in rows] == pytest.approx([1e-3 * cosine((e + 1) * per_epoch - 1) for e in range(3)],
-                                                          rel=1e-12)  # fmt: skip
+    assert [r["train/lr"] for r in rows] == pytest.approx(
+        [1e-3 * cosine((e + 1) * per_epoch - 1) for e in range(3)], rel=1e-12
+    )
     # Interrupted after epoch 1 and resumed: the schedule continues from the step count, so the run ends equal.
     copy = tmp_path / "b" / full.run_dir.name
     shutil.copytree(full.run_dir, copy)
@@ -174,8 +189,13 @@ def test_a_stop_during_training_skips_that_epochs_evaluation(tmp_path, monkeypat
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
-    common = ["checkpoint.every=1", "checkpoint.keep_last=5", "eval.every=1", "run.image_grid_every=1",
-              "run.trackers=[tensorboard]"]  # fmt: skip
+    common = [
+        "checkpoint.every=1",
+        "checkpoint.keep_last=5",
+        "eval.every=1",
+        "run.image_grid_every=1",
+        "run.trackers=[tensorboard]",
+    ]
     first = _trainer(tmp_path, "run.epochs=3", *common)
     first.fit()
     run = first.run_dir
@@ -185,8 +205,15 @@ def test_resuming_an_older_checkpoint_sets_the_later_output_aside(tmp_path):
     assert aside.name.startswith("after-epoch-00001-")
     files = sorted(str(p.relative_to(aside)) for p in aside.rglob("*") if p.is_file() and "checkpoints" not in p.parts)
     assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["epoch-00002", "epoch-00003"]
-    assert files == ["eval/epoch00002.json", "eval/epoch00002.png", "eval/epoch00003.json", "eval/epoch00003.png",
-                     "metrics.jsonl", "samples/epoch00001.png", "samples/epoch00002.png"]  # fmt: skip
+    assert files == [
+        "eval/epoch00002.json",
+        "eval/epoch00002.png",
+        "eval/epoch00003.json",
+        "eval/epoch00003.png",
+        "metrics.jsonl",
+        "samples/epoch00001.png",
+        "samples/epoch00002.png",
+    ]
     assert [json.loads(r)["epoch"] for r in (aside / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert [p.name for p in list_checkpoints(run)] == ["epoch-00001"]  # `latest` now means this run
     assert (run / "eval" / "epoch00002.json.bak").is_file()  # not a report of ours: left where it was
@@ -260,8 +287,9 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_clear_message(tmp_path, m
     trainer.fit()
     assert trainer.state.global_step == 1 and all(p.grad is None for p in trainer.params)
 
-    monkeypatch.setattr(clipped_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"),
-                                                                      real_loss(*a, **k)[1]))  # fmt: skip
+    monkeypatch.setattr(
+        clipped_module, "grpo_loss", lambda *a, **k: (real_loss(*a, **k)[0] * float("inf"), real_loss(*a, **k)[1])
+    )
     trainer = _trainer(tmp_path, "run.epochs=1", "run.max_nonfinite_steps=3")
     with pytest.raises(TrainingError, match="3 non-finite losses or gradients in a row"):
         trainer.fit()
@@ -288,8 +316,17 @@ def test_a_finite_loss_with_nonfinite_gradients_drops_the_update(tmp_path, capsy
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
-    cmd = [sys.executable, "scripts/train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "run.epochs=200",
-           "run.progress=false", "eval.every=0", "checkpoint.every=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "scripts/train.py",
+        "--config",
+        str(TINY),
+        f"run.output_dir={tmp_path}",
+        "run.epochs=200",
+        "run.progress=false",
+        "eval.every=0",
+        "checkpoint.every=0",
+    ]
     proc, out, err = sigterm_after_epochs(cmd, tmp_path, 1, cwd=ROOT, env=ENV, timeout=240)
     assert proc.returncode == 0, err[-3000:]
     assert "stop requested" in out
@@ -360,12 +397,16 @@ def test_export_round_trip_through_plain_diffusers(tmp_path):
 
     base = tmp_path / "base"
     build_tiny_pipeline("sd3", seed=0).save_pretrained(str(base))
-    trainer = _trainer(tmp_path / "runs", f"model.pretrained={base}", "run.epochs=2", "train.lr=5e-2",
-                       "train.ema=0.5")  # fmt: skip
+    trainer = _trainer(tmp_path / "runs", f"model.pretrained={base}", "run.epochs=2", "train.lr=5e-2", "train.ema=0.5")
     trainer.fit()
     ckpt = list_checkpoints(trainer.run_dir)[-1]
-    result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", str(ckpt), "--out",
-                             str(tmp_path / "lora")], cwd=ROOT, env=ENV, capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "scripts/export.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "lora")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     export_checkpoint(ckpt, tmp_path / "merged", merge=True)
     export_checkpoint(ckpt, tmp_path / "lora_ema", ema=True)
@@ -380,15 +421,35 @@ def test_export_round_trip_through_plain_diffusers(tmp_path):
     latents = adapter.initial_noise(2, 32, 32, generator=torch.Generator().manual_seed(0))
     sampler = ode_sampler(config.eval)
     sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
-    ours = rollout(adapter, ["a red cube", "a blue ball"], [0, 1], sampler, range(0, 0), height=32, width=32,
-                   initial_latents=latents).images  # fmt: skip
+    ours = rollout(
+        adapter,
+        ["a red cube", "a blue ball"],
+        [0, 1],
+        sampler,
+        range(0, 0),
+        height=32,
+        width=32,
+        initial_latents=latents,
+    ).images
 
     torch.save(latents, tmp_path / "latents.pt")
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_DIFFUSERS)
-    run = subprocess.run([sys.executable, str(script), str(base), str(tmp_path / "lora"), str(tmp_path / "merged"),
-                          str(tmp_path / "latents.pt"), str(tmp_path / "images.pt")],
-                         env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(base),
+            str(tmp_path / "lora"),
+            str(tmp_path / "merged"),
+            str(tmp_path / "latents.pt"),
+            str(tmp_path / "images.pt"),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     images = torch.load(tmp_path / "images.pt")
     assert (images["base"] - ours).abs().max() > 1e-3  # the adapter really changes the images
@@ -403,15 +464,27 @@ def test_evaluate_and_plot_scripts(tmp_path):
     assert sorted(p.name for p in (trainer.run_dir / "samples").iterdir()) == ["epoch00000.png", "epoch00001.png"]
     assert (trainer.run_dir / "eval" / "epoch00002.json").is_file()
     ckpt = list_checkpoints(trainer.run_dir)[-1]
-    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", str(ckpt)], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "scripts/evaluate.py", "--checkpoint", str(ckpt)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((ckpt / "eval" / "eval.json").read_text())
     # Same weights, same seed, same prompts: the script reproduces the in-training evaluation.
     in_training = json.loads((trainer.run_dir / "eval" / "epoch00002.json").read_text())
     assert report["summary"]["total"] == pytest.approx(in_training["summary"]["total"], abs=1e-6)
     assert (ckpt / "eval" / "eval.png").is_file()
-    plot = subprocess.run([sys.executable, "scripts/plot.py", str(trainer.run_dir)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    plot = subprocess.run(
+        [sys.executable, "scripts/plot.py", str(trainer.run_dir)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert (trainer.run_dir / "curves.png").stat().st_size > 10_000

@@ -40,10 +40,17 @@ def test_trainer_compiles_the_transformer_and_stays_exactly_on_policy(tmp_path, 
 
     original = PipelineAdapter.compile
     monkeypatch.setattr(PipelineAdapter, "compile", lambda self, **kw: original(self, backend=counting_backend))
-    config = load_config(ROOT / "configs" / "tiny_sd3.yaml", [
-        f"run.output_dir={tmp_path}", "run.progress=false", "run.epochs=1", "eval.every=0", "grpo.kl.beta=0.04",
-        "model.compile=true",
-    ])  # fmt: skip
+    config = load_config(
+        ROOT / "configs" / "tiny_sd3.yaml",
+        [
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "run.epochs=1",
+            "eval.every=0",
+            "grpo.kl.beta=0.04",
+            "model.compile=true",
+        ],
+    )
     trainer = GRPOTrainer(config)
     model = trainer.adapter.transformer
     assert model._compiled_call_impl is not None  # compiled in place: same module, same parameter names
@@ -62,8 +69,16 @@ def test_inductor_reevaluation_reproduces_the_rollout_log_probs_exactly():
     adapter.compile()  # inductor
     # same_initial_noise + a window starting at step 2: the shared prefix runs fewer rows (a second batch size)
     sampler = SamplerConfig(noise_level=0.7, num_steps=5, guidance_scale=4.5, same_initial_noise=True)
-    trajectory = rollout(adapter, ["a red cube", "a red cube", "a blue ball", "a blue ball"], [0, 0, 1, 1], sampler,
-                         range(2, 4), torch.Generator().manual_seed(0), height=32, width=32)  # fmt: skip
+    trajectory = rollout(
+        adapter,
+        ["a red cube", "a red cube", "a blue ball", "a blue ball"],
+        [0, 0, 1, 1],
+        sampler,
+        range(2, 4),
+        torch.Generator().manual_seed(0),
+        height=32,
+        width=32,
+    )
     adapter.transformer.train()  # the trainer's mode for the loss
     for position in range(2):
         new = evaluate_transitions(adapter, trajectory, position, sampler)

@@ -21,12 +21,30 @@ from signal_helper import sigterm_after_epochs
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_sd3.yaml"
 # 16 images per epoch, 8 per process: 2 micro-batches of 4 × 5 trained steps = one update of 10 backwards.
-COMMON = ["run.epochs=2", "run.debug_dump=true", "run.progress=false", "sampler.batch_size=4", "train.batch_size=4",
-          "train.gradient_accumulation=2", "eval.every=1", "train.ema=0.5", "checkpoint.every=1"]  # fmt: skip
+COMMON = [
+    "run.epochs=2",
+    "run.debug_dump=true",
+    "run.progress=false",
+    "sampler.batch_size=4",
+    "train.batch_size=4",
+    "train.gradient_accumulation=2",
+    "eval.every=1",
+    "train.ema=0.5",
+    "checkpoint.every=1",
+]
 # accelerate's --cpu launcher starts one process without mpirun; --multi_gpu on a GPU-less machine runs torchrun,
 # and the trainer falls back to the CPU (gloo).
-DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-       "--dynamo_backend", "no"]  # fmt: skip
+DDP = [
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 ZERO2 = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2"]
 FSDP2 = ["--config_file", "configs/accelerate/fsdp.yaml", "--num_processes", "2"]
 FSDP_DRIVER = "tests/fsdp_cpu_driver.py"
@@ -36,10 +54,26 @@ FREE_PORT = ["--main_process_port", "0"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _launch(launcher: list[str], output_dir: Path, *overrides: str, script: str = "scripts/train.py",
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, *FREE_PORT, script, "--config",
-           str(TINY), f"run.output_dir={output_dir}", *COMMON, *overrides]  # fmt: skip
+def _launch(
+    launcher: list[str],
+    output_dir: Path,
+    *overrides: str,
+    script: str = "scripts/train.py",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launcher,
+        *FREE_PORT,
+        script,
+        "--config",
+        str(TINY),
+        f"run.output_dir={output_dir}",
+        *COMMON,
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600)
 
 
@@ -64,15 +98,17 @@ def _assert_same_finals(run: Path, reference: Path) -> None:
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), f"rank {rank}"
 
 
-def _resume_from_first_checkpoint(launcher: list[str], run_dir: Path, tmp_path: Path, *overrides: str,
-                                  script: str = "scripts/train.py") -> Path:  # fmt: skip
+def _resume_from_first_checkpoint(
+    launcher: list[str], run_dir: Path, tmp_path: Path, *overrides: str, script: str = "scripts/train.py"
+) -> Path:
     """A copy of the run, cut back to its epoch-1 checkpoint, resumed to the end."""
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     shutil.rmtree(copy / "checkpoints" / "epoch-00002")
     shutil.rmtree(copy / "debug")
-    result = _launch(launcher, tmp_path, f"run.resume={copy / 'checkpoints' / 'epoch-00001'}", *overrides,
-                     script=script)  # fmt: skip
+    result = _launch(
+        launcher, tmp_path, f"run.resume={copy / 'checkpoints' / 'epoch-00001'}", *overrides, script=script
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resumed from" in result.stdout
     return copy
@@ -154,9 +190,22 @@ def test_nft_under_ddp_trains_in_sync_and_resumes_exactly(tmp_path):
 def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop, checkpoint once and exit (torchrun itself
     then reports the signal: exit code 143)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *DDP, *FREE_PORT, "scripts/train.py", "--config",
-           str(TINY), f"run.output_dir={tmp_path}", "run.epochs=500", "run.progress=false", "eval.every=0",
-           "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *DDP,
+        *FREE_PORT,
+        "scripts/train.py",
+        "--config",
+        str(TINY),
+        f"run.output_dir={tmp_path}",
+        "run.epochs=500",
+        "run.progress=false",
+        "eval.every=0",
+        "sampler.batch_size=4",
+        "train.batch_size=4",
+    ]
     # torchrun SIGKILLs its workers this long after forwarding the signal (30 s by default): room for a slow machine.
     env = {**ENV, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "180"}
     _, out, err = sigterm_after_epochs(cmd, tmp_path, 2, cwd=ROOT, env=env)
@@ -187,8 +236,11 @@ def test_deepspeed_zero2_trains_like_ddp(zero2_run, ddp_run):
     rows = [json.loads(line) for line in (zero2_run / "metrics.jsonl").read_text().splitlines()]
     ddp_rows = [json.loads(line) for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_step"] for r in rows if "global_step" in r] == [1, 2]
-    norms = [(r["train/grad_norm"], d["train/grad_norm"]) for r, d in zip(rows, ddp_rows, strict=True)
-             if "train/grad_norm" in r]  # fmt: skip
+    norms = [
+        (r["train/grad_norm"], d["train/grad_norm"])
+        for r, d in zip(rows, ddp_rows, strict=True)
+        if "train/grad_norm" in r
+    ]
     assert len(norms) == 2  # DeepSpeed's own global norm, before clipping, as clip_grad_norm_ returns under DDP
     assert all(z == pytest.approx(d, rel=1e-4) for z, d in norms)
 
@@ -233,8 +285,9 @@ def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
     for mode in ("nan", "zero"):
         out = tmp_path / mode
         out.mkdir()
-        result = _launch(ZERO2, out, *one_epoch, script="tests/loss_driver.py",
-                         env={"FLOWGRPO_TEST_LOSS": f"{mode}:3,10"})  # fmt: skip
+        result = _launch(
+            ZERO2, out, *one_epoch, script="tests/loss_driver.py", env={"FLOWGRPO_TEST_LOSS": f"{mode}:3,10"}
+        )
         assert result.returncode == 0, result.stderr[-4000:]
         assert ("non-finite loss, step skipped" in result.stdout) == (mode == "nan")
         (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
@@ -249,13 +302,27 @@ def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
 
 @pytest.mark.parametrize(
     "stage, precision, message",
-    [("3", "no", "ZeRO-3 shards the frozen base weights"), ("1", "no", "ZeRO stage 1"),
-     ("2", "bf16", "launch with mixed_precision 'no'")],
-)  # fmt: skip
+    [
+        ("3", "no", "ZeRO-3 shards the frozen base weights"),
+        ("1", "no", "ZeRO stage 1"),
+        ("2", "bf16", "launch with mixed_precision 'no'"),
+    ],
+)
 def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage, precision, message):
     pytest.importorskip("deepspeed")
-    launcher = ["--use_deepspeed", "--zero_stage", stage, "--num_processes", "1", "--num_machines", "1",
-                "--mixed_precision", precision, "--dynamo_backend", "no"]  # fmt: skip
+    launcher = [
+        "--use_deepspeed",
+        "--zero_stage",
+        stage,
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        precision,
+        "--dynamo_backend",
+        "no",
+    ]
     result = _launch(launcher, tmp_path)
     assert result.returncode != 0
     assert message in " ".join(result.stderr.split())
@@ -264,8 +331,19 @@ def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage
 
 def test_nft_is_refused_under_deepspeed_with_the_fix(tmp_path):
     pytest.importorskip("deepspeed")
-    launcher = ["--use_deepspeed", "--zero_stage", "2", "--num_processes", "1", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    launcher = [
+        "--use_deepspeed",
+        "--zero_stage",
+        "2",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     result = _launch(launcher, tmp_path, *NFT)
     assert result.returncode != 0
     assert "under DeepSpeed or FSDP use grpo.objective: awm" in " ".join(result.stderr.split())
@@ -317,8 +395,9 @@ def test_fsdp2_trains_like_ddp(fsdp_run, ddp_run):
     _same_training(fsdp_run, ddp_run, atol=1e-6)
     checkpoint = fsdp_run / "checkpoints" / "epoch-00002"
     assert (checkpoint / "optimizer_full.pt").is_file() and not (checkpoint / "optimizer.pt").exists()
-    ours, theirs = (load_file(str(r / "checkpoints" / "epoch-00002" / "adapter.safetensors"))
-                    for r in (fsdp_run, ddp_run))  # fmt: skip
+    ours, theirs = (
+        load_file(str(r / "checkpoints" / "epoch-00002" / "adapter.safetensors")) for r in (fsdp_run, ddp_run)
+    )
     assert ours.keys() == theirs.keys()
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], atol=1e-6, rtol=0, msg=k)
@@ -342,9 +421,16 @@ def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
     for name, launcher, script in (("ddp", DDP, "tests/loss_driver.py"), ("fsdp", FSDP2, FSDP_DRIVER)):
         out = tmp_path / name
         out.mkdir()
-        result = _launch(launcher, out, "eval.every=0", "model.dtype=bf16", "grpo.kl.beta=0.04",
-                         "train.gradient_accumulation=1", script=script,
-                         env={"FLOWGRPO_TEST_LOSS": "nan:5,10"})  # fmt: skip
+        result = _launch(
+            launcher,
+            out,
+            "eval.every=0",
+            "model.dtype=bf16",
+            "grpo.kl.beta=0.04",
+            "train.gradient_accumulation=1",
+            script=script,
+            env={"FLOWGRPO_TEST_LOSS": "nan:5,10"},
+        )
         assert result.returncode == 0, result.stderr[-4000:]
         assert "non-finite loss, step skipped" in result.stdout
         (runs[name],) = [p for p in out.iterdir() if p.is_dir()]
@@ -359,13 +445,27 @@ def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
 
 @pytest.mark.parametrize(
     "flags, message",
-    [(["--fsdp_version", "1"], "set fsdp_version: 2"),
-     (["--fsdp_version", "2", "--mixed_precision", "bf16"], "launch with mixed_precision 'no'")],
-)  # fmt: skip
+    [
+        (["--fsdp_version", "1"], "set fsdp_version: 2"),
+        (["--fsdp_version", "2", "--mixed_precision", "bf16"], "launch with mixed_precision 'no'"),
+    ],
+)
 def test_unsupported_fsdp_launches_are_refused_with_the_fix(tmp_path, flags, message):
     # (On the CPU accelerate's FSDP1 plugin itself needs sync_module_states off.)
-    launcher = ["--use_fsdp", *flags, "--fsdp_sync_module_states", "false", "--fsdp_cpu_ram_efficient_loading",
-                "false", "--num_processes", "2", "--num_machines", "1", "--dynamo_backend", "no"]  # fmt: skip
+    launcher = [
+        "--use_fsdp",
+        *flags,
+        "--fsdp_sync_module_states",
+        "false",
+        "--fsdp_cpu_ram_efficient_loading",
+        "false",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--dynamo_backend",
+        "no",
+    ]
     if "--mixed_precision" not in flags:
         launcher += ["--mixed_precision", "no"]
     result = _launch(launcher, tmp_path, script=FSDP_DRIVER)

@@ -43,9 +43,17 @@ def _pipe_images(pipe, sources, prompts, latents, steps):
     """diffusers' own FluxKontextPipeline, given the sources at the generated size (as Flow-GRPO resizes them)."""
     images = None if sources is None else [_resized(s) for s in sources]
     return pipe(
-        image=images, prompt=prompts, latents=latents.clone(), num_inference_steps=steps, guidance_scale=GUIDANCE,
-        height=SIZE, width=SIZE, max_area=SIZE * SIZE, _auto_resize=False, output_type="pt",
-    ).images  # fmt: skip
+        image=images,
+        prompt=prompts,
+        latents=latents.clone(),
+        num_inference_steps=steps,
+        guidance_scale=GUIDANCE,
+        height=SIZE,
+        width=SIZE,
+        max_area=SIZE * SIZE,
+        _auto_resize=False,
+        output_type="pt",
+    ).images
 
 
 def _resized(source) -> Image.Image:
@@ -79,14 +87,24 @@ def test_noise_free_rollout_reproduces_flux_kontext_pipe(adapter, steps):
     latents = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, generator=torch.Generator().manual_seed(steps))
     expected = _pipe_images(adapter.pipe, SOURCES, PROMPTS, latents, steps)
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=GUIDANCE)
-    traj = rollout(adapter, PROMPTS, [0, 1, 0, 2], sampler, range(0, steps - 1), height=SIZE, width=SIZE,
-                   initial_latents=latents, sources=[str(s) for s in SOURCES])  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        [0, 1, 0, 2],
+        sampler,
+        range(0, steps - 1),
+        height=SIZE,
+        width=SIZE,
+        initial_latents=latents,
+        sources=[str(s) for s in SOURCES],
+    )
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
     # The source really conditions the samples, and without sources Kontext is text-to-image as pipe(image=None).
     plain = _pipe_images(adapter.pipe, None, PROMPTS, latents, steps)
     assert (plain - expected).abs().max() > 1e-4
-    no_source = rollout(adapter, PROMPTS, [0, 1, 0, 2], sampler, range(0, 0), height=SIZE, width=SIZE,
-                        initial_latents=latents)  # fmt: skip
+    no_source = rollout(
+        adapter, PROMPTS, [0, 1, 0, 2], sampler, range(0, 0), height=SIZE, width=SIZE, initial_latents=latents
+    )
     torch.testing.assert_close(no_source.images, plain, rtol=0, atol=1e-5)
     assert no_source.source_images is None
 
@@ -105,8 +123,17 @@ def test_noise_free_rollout_reproduces_flux_kontext_pipe(adapter, steps):
 def test_rescoring_edits_gives_ratio_exactly_one(sampler_kwargs):
     adapter = make_adapter(build_tiny_pipeline("flux-kontext"))
     sampler = SamplerConfig(**{"noise_level": 0.7, "num_steps": 5, "guidance_scale": GUIDANCE, **sampler_kwargs})
-    traj = rollout(adapter, PROMPTS, [0, 1, 0, 2], sampler, range(1, 4), torch.Generator().manual_seed(1),
-                   height=SIZE, width=SIZE, sources=SOURCES)  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        [0, 1, 0, 2],
+        sampler,
+        range(1, 4),
+        torch.Generator().manual_seed(1),
+        height=SIZE,
+        width=SIZE,
+        sources=SOURCES,
+    )
     assert traj.embeds.source_latents.shape == (4, (SIZE // 4) ** 2, 16)
     for j in range(traj.num_trained_steps):
         with torch.no_grad():
@@ -124,8 +151,17 @@ def test_sources_are_encoded_once_per_image_and_returned_for_rewards():
     encode = adapter._encode_sources
     adapter._encode_sources = lambda pixels: encoded.append(len(pixels)) or encode(pixels)
     for epoch in range(2):
-        traj = rollout(adapter, PROMPTS, [0, 1, 0, 2], sampler, range(0, 1), torch.Generator().manual_seed(epoch),
-                       height=SIZE, width=SIZE, sources=SOURCES)  # fmt: skip
+        traj = rollout(
+            adapter,
+            PROMPTS,
+            [0, 1, 0, 2],
+            sampler,
+            range(0, 1),
+            torch.Generator().manual_seed(epoch),
+            height=SIZE,
+            width=SIZE,
+            sources=SOURCES,
+        )
     assert encoded == [3] and adapter.source_encoder_calls == 1  # 3 unique images, one batched VAE pass
     expected = torch.stack([_pixels(s) for s in SOURCES])
     torch.testing.assert_close(traj.source_images, expected, rtol=0, atol=1e-6)
@@ -156,8 +192,14 @@ def _jsonl(folder: Path, lines: list[str], name: str = "edits.jsonl") -> Path:
 def test_editing_rows_resolve_images_relative_to_the_file(tmp_path):
     (tmp_path / "imgs").mkdir()
     Image.new("RGB", (8, 8), "red").save(tmp_path / "imgs" / "a.png")
-    path = _jsonl(tmp_path, ['{"prompt": "make it blue", "image": "imgs/a.png", "tag": "color"}', "",
-                             '{"instruction": "add a dot", "image": "imgs/a.png"}'])  # fmt: skip
+    path = _jsonl(
+        tmp_path,
+        [
+            '{"prompt": "make it blue", "image": "imgs/a.png", "tag": "color"}',
+            "",
+            '{"instruction": "add a dot", "image": "imgs/a.png"}',
+        ],
+    )
     data = PromptDataset.from_file(path)
     assert data.prompts == ["make it blue", "add a dot"] and data.metadata == [{"tag": "color"}, {}]
     assert data.sources == [str((tmp_path / "imgs" / "a.png").resolve())] * 2
@@ -171,9 +213,15 @@ def test_missing_or_unreadable_source_images_are_reported_with_file_and_line(tmp
     whole = (tmp_path / "ok.png").read_bytes()
     (tmp_path / "cut.png").write_bytes(whole[: len(whole) // 2])  # truncated: the header reads, the pixels do not
     (tmp_path / "folder.png").mkdir()
-    rows = ['{"prompt": "a", "image": "ok.png"}', '{"prompt": "b", "image": "missing.png"}',
-            '{"prompt": "c", "image": "junk.png"}', '{"prompt": "d", "image": "cut.png"}',
-            '{"prompt": "e", "image": "folder.png"}', '{"prompt": "f", "image": 3}', '{"prompt": "g"}']  # fmt: skip
+    rows = [
+        '{"prompt": "a", "image": "ok.png"}',
+        '{"prompt": "b", "image": "missing.png"}',
+        '{"prompt": "c", "image": "junk.png"}',
+        '{"prompt": "d", "image": "cut.png"}',
+        '{"prompt": "e", "image": "folder.png"}',
+        '{"prompt": "f", "image": 3}',
+        '{"prompt": "g"}',
+    ]
     path = _jsonl(tmp_path, rows)
     with pytest.raises(DataError) as err:
         PromptDataset.from_file(path, "data.test")
@@ -235,8 +283,9 @@ def test_consistency_is_the_clip_image_cosine_with_the_source():
     scores = reward(edits, ["x"] * 4, None, source_images=sources)["consistency"]
     model, pixels = consistency.model, consistency._pixels
     with torch.no_grad():
-        expected = torch.nn.functional.cosine_similarity(model.encode_image(pixels(edits)),
-                                                         model.encode_image(pixels(sources)))  # fmt: skip
+        expected = torch.nn.functional.cosine_similarity(
+            model.encode_image(pixels(edits)), model.encode_image(pixels(sources))
+        )
     torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
     same = reward(sources, ["x"] * 4, None, source_images=sources)["consistency"]
     torch.testing.assert_close(same, torch.ones(4), rtol=0, atol=1e-5)
@@ -274,9 +323,15 @@ def test_editing_demo_trains_exports_and_evaluates(tmp_path, monkeypatch):
         ),
     )
     prompts_dir = ROOT / "configs" / "prompts"
-    config = load_config(ROOT / "configs" / "tiny_flux_kontext.yaml", [
-        f"run.output_dir={tmp_path / 'runs'}", "run.progress=false", f"data.train={prompts_dir}/edit_tiny_train.jsonl",
-        f"data.test={prompts_dir}/edit_tiny_test.jsonl"])  # fmt: skip
+    config = load_config(
+        ROOT / "configs" / "tiny_flux_kontext.yaml",
+        [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "run.progress=false",
+            f"data.train={prompts_dir}/edit_tiny_train.jsonl",
+            f"data.test={prompts_dir}/edit_tiny_test.jsonl",
+        ],
+    )
     trainer = GRPOTrainer(config)
     base = {n: p.detach().clone() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad}
     trainer.fit()
@@ -287,8 +342,14 @@ def test_editing_demo_trains_exports_and_evaluates(tmp_path, monkeypatch):
     params = dict(trainer.adapter.transformer.named_parameters())
     assert any(not torch.equal(params[n], base[n]) for n in base)
     # Every scored edit came with its own prompt's source image, as the adapter prepared it.
-    data = {p: s for p, s in zip(trainer.train_data.prompts + trainer.test_data.prompts,
-                                 trainer.train_data.sources + trainer.test_data.sources, strict=True)}  # fmt: skip
+    data = {
+        p: s
+        for p, s in zip(
+            trainer.train_data.prompts + trainer.test_data.prompts,
+            trainer.train_data.sources + trainer.test_data.sources,
+            strict=True,
+        )
+    }
     assert len(scored) >= 4
     for prompts, sources in scored:
         for prompt, pixels in zip(prompts, sources, strict=True):
@@ -309,7 +370,16 @@ def test_editing_demo_trains_exports_and_evaluates(tmp_path, monkeypatch):
     pipe.load_lora_weights(str(tmp_path / "lora"))
     theirs = _pipe_images(pipe, SOURCES[:2], PROMPTS[:2], noise, 4)
     sampler = ode_sampler(config.eval)
-    ours = rollout(adapter, PROMPTS[:2], [0, 1], sampler, range(0, 0), height=SIZE, width=SIZE,
-                   initial_latents=noise, sources=SOURCES[:2]).images  # fmt: skip
+    ours = rollout(
+        adapter,
+        PROMPTS[:2],
+        [0, 1],
+        sampler,
+        range(0, 0),
+        height=SIZE,
+        width=SIZE,
+        initial_latents=noise,
+        sources=SOURCES[:2],
+    ).images
     assert (before - ours).abs().max() > 1e-4  # the adapter really changes the edits
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)

@@ -114,8 +114,10 @@ def test_shards_merge_back_into_the_unsharded_order(tmp_path):
     torch.testing.assert_close(merged, images, rtol=0, atol=1e-6)
     torch.testing.assert_close(merged_scores["total"], scores["total"], rtol=0, atol=1e-6)
     # The report grid's images only (prompts 0 and 1: images 0-3 of the list, held 2, 1, 1 by the shards).
-    parts = [evaluate_shard(adapter, dataset, reward, config, resolution=32, seed=1, shard=(r, 3), image_prompts=2)
-             for r in range(3)]  # fmt: skip
+    parts = [
+        evaluate_shard(adapter, dataset, reward, config, resolution=32, seed=1, shard=(r, 3), image_prompts=2)
+        for r in range(3)
+    ]
     assert [len(shard_images) for _, shard_images, _ in parts] == [2, 1, 1]
     indices, first, first_scores = merge_shards(parts, image_prompts=2)
     assert [dataset.prompts[i] for i in indices] == names

@@ -82,10 +82,16 @@ def test_every_supported_pipeline_class_maps_to_its_family():
     assert pipelines.KINDS == available_families() and tuple(VIDEO_KINDS) == ("wan",)
     assert pipelines.KIND_BY_CLASS_NAME == SUPPORTED
     assert tiny_sources() == {
-        "tiny-sd3": "sd3", "tiny-sd3-taesd": "sd3", "tiny-flux": "flux", "tiny-flux-taesd": "flux",
-        "tiny-flux-kontext": "flux-kontext", "tiny-flux-kontext-taesd": "flux-kontext", "tiny-qwenimage": "qwenimage",
-        "tiny-qwenimage-edit": "qwenimage-edit", "tiny-wan": "wan",
-    }  # fmt: skip
+        "tiny-sd3": "sd3",
+        "tiny-sd3-taesd": "sd3",
+        "tiny-flux": "flux",
+        "tiny-flux-taesd": "flux",
+        "tiny-flux-kontext": "flux-kontext",
+        "tiny-flux-kontext-taesd": "flux-kontext",
+        "tiny-qwenimage": "qwenimage",
+        "tiny-qwenimage-edit": "qwenimage-edit",
+        "tiny-wan": "wan",
+    }
 
 
 @pytest.mark.parametrize("name", SIBLINGS)
@@ -129,11 +135,22 @@ class ToyVideoPipeline(FluxPipeline):
 @pytest.fixture
 def toy_families():
     specs = [
-        FamilySpec(name="toy-flux", pipelines=(ToyFluxPipeline,), transformer="FluxTransformer2DModel",
-                   adapter=ToyFluxAdapter, tiny=flux_components, tiny_vaes=("kl", "tiny")),
-        FamilySpec(name="toy-video", pipelines=(ToyVideoPipeline,), transformer="FluxTransformer2DModel",
-                   adapter=ToyVideoAdapter, video=True),
-    ]  # fmt: skip
+        FamilySpec(
+            name="toy-flux",
+            pipelines=(ToyFluxPipeline,),
+            transformer="FluxTransformer2DModel",
+            adapter=ToyFluxAdapter,
+            tiny=flux_components,
+            tiny_vaes=("kl", "tiny"),
+        ),
+        FamilySpec(
+            name="toy-video",
+            pipelines=(ToyVideoPipeline,),
+            transformer="FluxTransformer2DModel",
+            adapter=ToyVideoAdapter,
+            video=True,
+        ),
+    ]
     for spec in specs:
         register_family(spec)
     try:
@@ -186,8 +203,14 @@ def test_registration_is_refused_early_for_a_bad_spec(toy_families):
     with pytest.raises(ValueError, match="'flux' is already registered"):
         register_family(FamilySpec(name="flux", pipelines=(ToyFluxPipeline,), transformer="X", adapter=FluxAdapter))
     with pytest.raises(ValueError, match="FluxPipeline is already driven by 'flux'"):
-        register_family(FamilySpec(name="toy-flux-2", pipelines=("FluxPipeline",), transformer="X",
-                                   adapter=type("A", (FluxAdapter,), {"family": "toy-flux-2"})))  # fmt: skip
+        register_family(
+            FamilySpec(
+                name="toy-flux-2",
+                pipelines=("FluxPipeline",),
+                transformer="X",
+                adapter=type("A", (FluxAdapter,), {"family": "toy-flux-2"}),
+            )
+        )
     with pytest.raises(ValueError, match="has family='flux', not the spec's name"):
         FamilySpec(name="toy-3", pipelines=("ToyPipeline",), transformer="X", adapter=FluxAdapter)
     with pytest.raises(ValueError, match="lower case"):

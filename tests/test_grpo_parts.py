@@ -46,8 +46,9 @@ def test_per_reward_advantages_are_weighted_sums():
     per = compute_advantages(AdvantageConfig(estimator="per_reward", clip=100.0), inputs, everyone)
     expected = group_advantages(a, groups, clip=100.0) + 0.5 * group_advantages(b, groups, clip=100.0)
     torch.testing.assert_close(per, expected)
-    torch.testing.assert_close(compute_advantages(AdvantageConfig(), inputs, everyone),
-                               group_advantages(scores["total"], groups))  # fmt: skip
+    torch.testing.assert_close(
+        compute_advantages(AdvantageConfig(), inputs, everyone), group_advantages(scores["total"], groups)
+    )
 
 
 def test_groups_the_nan_policy_dropped_get_zero_and_leave_the_others_statistics():
@@ -126,8 +127,16 @@ def test_config_overrides_types_and_defaults(tmp_path):
         (["train.lr=fast"], r"train.lr: expected a number"),
         (["grpo.group_size=1"], r"group_size must be >= 2"),
         (["oops"], r"key.sub=value"),
-        (["train.gradient_accumulation=4", "grpo.group_size=4", "grpo.groups_per_epoch=4", "sampler.batch_size=8",
-          "train.batch_size=8"], r"must divide the 2 micro-batches"),
+        (
+            [
+                "train.gradient_accumulation=4",
+                "grpo.group_size=4",
+                "grpo.groups_per_epoch=4",
+                "sampler.batch_size=8",
+                "train.batch_size=8",
+            ],
+            r"must divide the 2 micro-batches",
+        ),
         (["checkpoint.keep_last=0"], r"checkpoint.keep_last must be >= 1"),
         (["run.log_every=0"], r"run.log_every must be >= 1"),
         (["sampler.kappa=0"], r"sampler.kappa must be > 0"),
@@ -142,8 +151,9 @@ def test_config_errors_name_key_and_fix(overrides, message):
 
 
 def test_batch_arithmetic_uses_the_world_size():
-    config = load_config(None, ["grpo.group_size=4", "grpo.groups_per_epoch=4", "sampler.batch_size=4",
-                                "train.batch_size=8"])  # fmt: skip
+    config = load_config(
+        None, ["grpo.group_size=4", "grpo.groups_per_epoch=4", "sampler.batch_size=4", "train.batch_size=8"]
+    )
     validate(config, world_size=1)
     validate(config, world_size=2)
     with pytest.raises(ConfigError, match="processes = 4 × 3"):
@@ -178,8 +188,9 @@ def test_every_preset_in_configs_is_valid():
 def test_prompt_files(tmp_path):
     txt = _write(tmp_path, "a cat\n\n  a dog  \n", "p.txt")
     assert PromptDataset.from_file(txt).prompts == ["a cat", "a dog"]
-    jsonl = _write(tmp_path, '{"prompt": "two cats", "tag": "counting"}\n{"prompt": "a sign", "text": "hi"}\n',
-                   "p.jsonl")  # fmt: skip
+    jsonl = _write(
+        tmp_path, '{"prompt": "two cats", "tag": "counting"}\n{"prompt": "a sign", "text": "hi"}\n', "p.jsonl"
+    )
     data = PromptDataset.from_file(jsonl)
     assert data.prompts == ["two cats", "a sign"] and data.metadata == [{"tag": "counting"}, {"text": "hi"}]
     with pytest.raises(DataError, match="does not exist"):
@@ -212,6 +223,9 @@ def test_accelerate_configs_load():
     folder = Path(__file__).parent.parent / "configs" / "accelerate"
     kinds = {p.stem: load_config_from_file(str(p)).distributed_type.value for p in folder.glob("*.yaml")}
     assert kinds == {
-        "single_gpu": "NO", "multi_gpu": "MULTI_GPU", "multi_node": "MULTI_GPU",
-        "deepspeed_zero2": "DEEPSPEED", "fsdp": "FSDP",
-    }  # fmt: skip
+        "single_gpu": "NO",
+        "multi_gpu": "MULTI_GPU",
+        "multi_node": "MULTI_GPU",
+        "deepspeed_zero2": "DEEPSPEED",
+        "fsdp": "FSDP",
+    }

@@ -48,10 +48,16 @@ def _trainer(output_dir: Path, *overrides: str) -> GRPOTrainer:
 def _parts(trainer: GRPOTrainer) -> CheckpointParts:
     """What the trainer hands save_checkpoint / load_checkpoint."""
     return CheckpointParts(
-        accelerator=trainer.accelerator, transformer=trainer.adapter.transformer, params=trainer.params,
-        optimizer=trainer.optimizer, ema=trainer.ema, state=trainer.state, config=trainer.config,
-        run_dir=trainer.run_dir, family=trainer.adapter.family,
-    )  # fmt: skip
+        accelerator=trainer.accelerator,
+        transformer=trainer.adapter.transformer,
+        params=trainer.params,
+        optimizer=trainer.optimizer,
+        ema=trainer.ema,
+        state=trainer.state,
+        config=trainer.config,
+        run_dir=trainer.run_dir,
+        family=trainer.adapter.family,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -197,10 +203,13 @@ def test_open_run_dir_creates_and_locks_a_run_and_refuses_a_second_holder(tmp_pa
 # ---------------------------------------------------------------- defect 5: what the weights mean is fixed
 @pytest.mark.parametrize(
     "override, key, old, new",
-    [("model.lora.alpha=16", "model.lora.alpha", "8.0", "16.0"), ("model.lora.rank=8", "model.lora.rank", "4", "8"),
-     ("model.pretrained=tiny-sd3", "model.pretrained", "'tiny-sd3-taesd'", "'tiny-sd3'"),
-     ("model.lora.target_modules=[attn.to_q]", "model.lora.target_modules", "['attn.add_k_proj'", "['attn.to_q']")],
-)  # fmt: skip
+    [
+        ("model.lora.alpha=16", "model.lora.alpha", "8.0", "16.0"),
+        ("model.lora.rank=8", "model.lora.rank", "4", "8"),
+        ("model.pretrained=tiny-sd3", "model.pretrained", "'tiny-sd3-taesd'", "'tiny-sd3'"),
+        ("model.lora.target_modules=[attn.to_q]", "model.lora.target_modules", "['attn.add_k_proj'", "['attn.to_q']"),
+    ],
+)
 def test_resume_refuses_settings_that_change_what_the_weights_mean(trained, tmp_path, override, key, old, new):
     run = _copy(trained, tmp_path)
     config_before = (run / "config.yaml").read_text()
@@ -218,9 +227,11 @@ def test_lora_weights_of_another_shape_are_refused_by_the_check_export_makes_too
     expected = {"a.lora_A.weight": (4, 8), "a.lora_B.weight": (8, 4)}
     assert lora_mismatch(expected, dict(expected)) == []
     problems = lora_mismatch(expected, {"a.lora_A.weight": (4, 9), "b.lora_A.weight": (4, 8)})
-    assert problems == ["1 of the model's 2 LoRA weights are not in the checkpoint (e.g. a.lora_B.weight)",
-                        "1 of the checkpoint's 2 are not in the model (e.g. b.lora_A.weight)",
-                        "1 differ in shape (e.g. a.lora_A.weight: (4, 9) saved, (4, 8) in the model)"]  # fmt: skip
+    assert problems == [
+        "1 of the model's 2 LoRA weights are not in the checkpoint (e.g. a.lora_B.weight)",
+        "1 of the checkpoint's 2 are not in the model (e.g. b.lora_A.weight)",
+        "1 differ in shape (e.g. a.lora_A.weight: (4, 9) saved, (4, 8) in the model)",
+    ]
     # Resuming loads through the same check: a weight of another shape (same name, same recorded settings).
     run = _copy(trained, tmp_path)
     file = run / "checkpoints" / "epoch-00002" / "adapter.safetensors"

@@ -45,8 +45,10 @@ def _refused(capsys, script: str, *argv: str, names: tuple[str, ...]) -> str:
 
 def _snapshot(folder: Path) -> dict[str, str]:
     """Every file and directory under ``folder`` with a hash of its content (directories: "")."""
-    return {str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else ""
-            for p in sorted(folder.rglob("*"))}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else ""
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 # ---------------------------------------------------------------------------- train.py: configs and prompt files
@@ -123,12 +125,27 @@ def sd3_run(tmp_path_factory):
     base = root / "base"
     build_tiny_pipeline("sd3", seed=0).save_pretrained(str(base))
     # The least work that writes a checkpoint.
-    small = ["grpo.group_size=2", "grpo.groups_per_epoch=2", "sampler.batch_size=4", "train.batch_size=4",
-             "sampler.num_steps=2", "eval.num_steps=2"]  # fmt: skip
-    config = load_config(TINY, [f"run.output_dir={root / 'runs'}", "run.epochs=1", "eval.every=0",
-                                "run.progress=false", f"model.pretrained={base}", *small,
-                                f"data.train={ROOT / 'configs/prompts/tiny_train.txt'}",
-                                f"data.test={ROOT / 'configs/prompts/tiny_test.txt'}"])  # fmt: skip
+    small = [
+        "grpo.group_size=2",
+        "grpo.groups_per_epoch=2",
+        "sampler.batch_size=4",
+        "train.batch_size=4",
+        "sampler.num_steps=2",
+        "eval.num_steps=2",
+    ]
+    config = load_config(
+        TINY,
+        [
+            f"run.output_dir={root / 'runs'}",
+            "run.epochs=1",
+            "eval.every=0",
+            "run.progress=false",
+            f"model.pretrained={base}",
+            *small,
+            f"data.train={ROOT / 'configs/prompts/tiny_train.txt'}",
+            f"data.test={ROOT / 'configs/prompts/tiny_test.txt'}",
+        ],
+    )
     trainer = GRPOTrainer(config)
     trainer.fit()
     return base, list_checkpoints(trainer.run_dir)[-1]
@@ -138,8 +155,9 @@ def sd3_run(tmp_path_factory):
 def flux_config(tmp_path):
     """Another model's config (FLUX) with the run's LoRA settings: 8 of its LoRA names match SD3's."""
     path = tmp_path / "flux.yaml"
-    path.write_text(yaml.safe_dump({"model": {"pretrained": "tiny-flux", "resolution": 32,
-                                              "lora": {"rank": 4, "alpha": 8}}}))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump({"model": {"pretrained": "tiny-flux", "resolution": 32, "lora": {"rank": 4, "alpha": 8}}})
+    )
     return path
 
 
@@ -148,16 +166,36 @@ def test_export_refuses_a_checkpoint_of_another_model(capsys, sd3_run, flux_conf
     # It exited 0, and --merge fused the LoRA weights whose names happened to match and dropped the rest.
     _, ckpt = sd3_run
     out = tmp_path / "out"
-    _refused(capsys, "export", "--checkpoint", ckpt, "--out", out, "--config", flux_config, *(["--merge"] * merge),
-             names=(str(ckpt), "model.pretrained='tiny-flux'", "not in the checkpoint"))  # fmt: skip
+    _refused(
+        capsys,
+        "export",
+        "--checkpoint",
+        ckpt,
+        "--out",
+        out,
+        "--config",
+        flux_config,
+        *(["--merge"] * merge),
+        names=(str(ckpt), "model.pretrained='tiny-flux'", "not in the checkpoint"),
+    )
     assert not out.exists()
 
 
 def test_evaluate_refuses_a_checkpoint_of_another_model(capsys, sd3_run, flux_config):
     _, ckpt = sd3_run
     before = _snapshot(ckpt)
-    _refused(capsys, "evaluate", "--checkpoint", ckpt, "--config", flux_config, "--device", "cpu",
-             f"data.test={ROOT / 'configs/prompts/tiny_test.txt'}", names=(str(ckpt), "model.pretrained"))  # fmt: skip
+    _refused(
+        capsys,
+        "evaluate",
+        "--checkpoint",
+        ckpt,
+        "--config",
+        flux_config,
+        "--device",
+        "cpu",
+        f"data.test={ROOT / 'configs/prompts/tiny_test.txt'}",
+        names=(str(ckpt), "model.pretrained"),
+    )
     assert _snapshot(ckpt) == before  # no <checkpoint>/eval
 
 
@@ -196,10 +234,28 @@ def test_export_refuses_a_non_empty_out_and_overwrite_replaces_a_whole_earlier_e
 def test_export_names_missing_or_damaged_files(capsys, sd3_run, tmp_path):
     base, ckpt = sd3_run
     out = tmp_path / "out"
-    _refused(capsys, "export", "--checkpoint", tmp_path / "nowhere", "--out", out, "--config", TINY,
-             names=("nowhere", "does not exist"))  # fmt: skip
-    _refused(capsys, "export", "--checkpoint", ckpt, "--out", out, "--config", tmp_path / "missing.yaml",
-             names=("missing.yaml",))  # fmt: skip
+    _refused(
+        capsys,
+        "export",
+        "--checkpoint",
+        tmp_path / "nowhere",
+        "--out",
+        out,
+        "--config",
+        TINY,
+        names=("nowhere", "does not exist"),
+    )
+    _refused(
+        capsys,
+        "export",
+        "--checkpoint",
+        ckpt,
+        "--out",
+        out,
+        "--config",
+        tmp_path / "missing.yaml",
+        names=("missing.yaml",),
+    )
     damaged = tmp_path / "run" / "checkpoints" / ckpt.name
     shutil.copytree(ckpt.parent.parent, tmp_path / "run", ignore=lambda d, names: [n for n in names if n == "eval"])
     (damaged / "adapter.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
@@ -220,10 +276,19 @@ def test_evaluate_refuses_bad_outputs_and_settings_before_sampling(capsys, sd3_r
     (busy / "keep.txt").write_text("mine")
     for out in (base, base / "eval", ckpt.parent, busy):
         _refused(capsys, "evaluate", "--checkpoint", ckpt, "--out", out, "--device", "cpu", names=(str(out),))
-    _refused(capsys, "evaluate", "--checkpoint", ckpt, "--device", "cpu", "eval.max_prompts=0",
-             names=("eval.max_prompts",))  # fmt: skip
-    _refused(capsys, "evaluate", "--checkpoint", ckpt, "--device", "cpu", f"data.test={tmp_path}",
-             names=("data.test", "is a directory"))  # fmt: skip
+    _refused(
+        capsys, "evaluate", "--checkpoint", ckpt, "--device", "cpu", "eval.max_prompts=0", names=("eval.max_prompts",)
+    )
+    _refused(
+        capsys,
+        "evaluate",
+        "--checkpoint",
+        ckpt,
+        "--device",
+        "cpu",
+        f"data.test={tmp_path}",
+        names=("data.test", "is a directory"),
+    )
     assert not (ckpt / "eval").exists() and (busy / "keep.txt").read_text() == "mine"
 
 

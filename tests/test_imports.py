@@ -137,6 +137,9 @@ def test_no_module_level_import_circle():
 
 
 def test_checkpoints_and_parallel_are_in_no_circle_even_through_function_imports():
-    found = [c for c in cycles(import_graph(module_files(), in_functions=True))
-             if any(m == s or m.startswith(s + ".") for m in c for s in STRICT)]  # fmt: skip
+    found = [
+        c
+        for c in cycles(import_graph(module_files(), in_functions=True))
+        if any(m == s or m.startswith(s + ".") for m in c for s in STRICT)
+    ]
     assert found == [], "import circles through flowgrpo.checkpoint / parallel: " + "; ".join(map(str, found))

@@ -116,10 +116,14 @@ def test_old_weights_run_a_block_on_the_snapshot_and_restore_the_storage():
 
 @pytest.mark.parametrize(
     "override, key",
-    [("sampler.noise_level=0.7", "sampler.noise_level"), ("grpo.nft.beta=0", "grpo.nft.beta"),
-     ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"), ("grpo.nft.timesteps=0", "grpo.nft.timesteps"),
-     ("grpo.nft.logit_std=0", "grpo.nft.logit_std")],
-)  # fmt: skip
+    [
+        ("sampler.noise_level=0.7", "sampler.noise_level"),
+        ("grpo.nft.beta=0", "grpo.nft.beta"),
+        ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"),
+        ("grpo.nft.timesteps=0", "grpo.nft.timesteps"),
+        ("grpo.nft.logit_std=0", "grpo.nft.logit_std"),
+    ],
+)
 def test_nft_config_mistakes_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
         _config(override)

@@ -27,9 +27,10 @@ KINDS = ["sd3", "flux"]
 ALL_KINDS = [*KINDS, "qwenimage"]  # the tests that need no family-specific component checks run on Qwen-Image too
 CLASSES = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "qwenimage": QwenImagePipeline}
 PIPE_KWARGS = {  # SD3: CFG (batched uncond+cond); FLUX: guidance embedding; Qwen-Image: true CFG, negative prompt
-    "sd3": {"guidance_scale": 4.5}, "flux": {"guidance_scale": 3.5},
+    "sd3": {"guidance_scale": 4.5},
+    "flux": {"guidance_scale": 3.5},
     "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
-}  # fmt: skip
+}
 PROMPT = "a red cube on a table"
 
 

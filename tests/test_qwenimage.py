@@ -39,13 +39,27 @@ def test_noise_free_rollout_reproduces_pipe(steps, cfg, height, width):
     adapter = _adapter()
     latents = adapter.initial_noise(len(PROMPTS), height, width, generator=torch.Generator().manual_seed(0))
     expected = adapter.pipe(
-        prompt=PROMPTS, negative_prompt=NEGATIVE, true_cfg_scale=cfg, latents=latents.clone(),
-        num_inference_steps=steps, height=height, width=width, output_type="pt",
-    ).images  # fmt: skip
+        prompt=PROMPTS,
+        negative_prompt=NEGATIVE,
+        true_cfg_scale=cfg,
+        latents=latents.clone(),
+        num_inference_steps=steps,
+        height=height,
+        width=width,
+        output_type="pt",
+    ).images
     pipe_sigmas = adapter.pipe.scheduler.sigmas.clone()
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=cfg)
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, steps - 1), height=height, width=width,
-                   initial_latents=latents)  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        [0, 1, 1, 2],
+        sampler,
+        range(0, steps - 1),
+        height=height,
+        width=width,
+        initial_latents=latents,
+    )
     assert traj.images.shape == (len(PROMPTS), 3, height, width)
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
     # The schedule is pipe()'s own (dynamic exponential shift from the token count, terminal sigma 0.02).
@@ -195,8 +209,9 @@ def test_train_resume_and_export_match_plain_diffusers(tmp_path):
     sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
     ours = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents).images
 
-    images = run_plain_diffusers(PLAIN_DIFFUSERS, base, tmp_path / "lora", tmp_path / "merged", latents, prompts,
-                                tmp_path)  # fmt: skip
+    images = run_plain_diffusers(
+        PLAIN_DIFFUSERS, base, tmp_path / "lora", tmp_path / "merged", latents, prompts, tmp_path
+    )
     assert (images["base"] - ours).abs().max() > 1e-3  # the adapter really changes the images
     torch.testing.assert_close(images["lora"], ours, rtol=0, atol=1e-5)
     torch.testing.assert_close(images["merged"], ours, rtol=0, atol=1e-4)

@@ -42,11 +42,19 @@ def _pipe_images(pipe, monkeypatch, sources, prompts, latents, *, steps, cfg, he
     original = edit_module.calculate_dimensions
     monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: original(height * width, ratio))
     images = [
-        pipe(image=open_image(source).resize((width, height)), prompt=prompt, negative_prompt=NEGATIVE,
-             true_cfg_scale=cfg, latents=latents[i : i + 1].clone(), num_inference_steps=steps, height=height,
-             width=width, output_type="pt").images
+        pipe(
+            image=open_image(source).resize((width, height)),
+            prompt=prompt,
+            negative_prompt=NEGATIVE,
+            true_cfg_scale=cfg,
+            latents=latents[i : i + 1].clone(),
+            num_inference_steps=steps,
+            height=height,
+            width=width,
+            output_type="pt",
+        ).images
         for i, (prompt, source) in enumerate(zip(prompts, sources, strict=True))
-    ]  # fmt: skip
+    ]
     monkeypatch.setattr(edit_module, "calculate_dimensions", original)
     return torch.cat(images)
 
@@ -77,11 +85,21 @@ def test_qwenimage_edit_pipeline_gets_its_own_kind_adapter_and_tiny_build(tmp_pa
 def test_noise_free_rollout_reproduces_qwenimage_edit_pipe(monkeypatch, steps, cfg, height, width):
     adapter = _adapter()
     latents = adapter.initial_noise(len(PROMPTS), height, width, generator=torch.Generator().manual_seed(steps))
-    expected = _pipe_images(adapter.pipe, monkeypatch, SOURCES, PROMPTS, latents, steps=steps, cfg=cfg, height=height,
-                            width=width)  # fmt: skip
+    expected = _pipe_images(
+        adapter.pipe, monkeypatch, SOURCES, PROMPTS, latents, steps=steps, cfg=cfg, height=height, width=width
+    )
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=cfg)
-    traj = rollout(adapter, PROMPTS, GROUPS, sampler, range(0, steps - 1), height=height, width=width,
-                   initial_latents=latents, sources=[str(s) for s in SOURCES])  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        GROUPS,
+        sampler,
+        range(0, steps - 1),
+        height=height,
+        width=width,
+        initial_latents=latents,
+        sources=[str(s) for s in SOURCES],
+    )
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
     # Sources as Flow-GRPO sizes them: 32x32 for 32x32 images; 64 rows x 32 for 48x32 (calculate_dimensions rounds
     # to multiples of 32), so the two img_shapes entries differ there.
@@ -90,8 +108,9 @@ def test_noise_free_rollout_reproduces_qwenimage_edit_pipe(monkeypatch, steps, c
     assert traj.embeds.source_latents.shape == (4, source_size[0] * source_size[1] // 16, 16)
     assert (traj.embeds.negative_embeds is not None) == (cfg > 1)
     # Another source image gives another edit (it conditions the samples).
-    other = _pipe_images(adapter.pipe, monkeypatch, SOURCES[::-1], PROMPTS, latents, steps=steps, cfg=cfg,
-                         height=height, width=width)  # fmt: skip
+    other = _pipe_images(
+        adapter.pipe, monkeypatch, SOURCES[::-1], PROMPTS, latents, steps=steps, cfg=cfg, height=height, width=width
+    )
     assert (other - expected).abs().max() > 1e-4
 
 
@@ -109,8 +128,17 @@ def test_noise_free_rollout_reproduces_qwenimage_edit_pipe(monkeypatch, steps, c
 def test_rescoring_qwenimage_edits_gives_ratio_exactly_one(sampler_kwargs):
     adapter = _adapter()
     sampler = SamplerConfig(**{"noise_level": 1.0, "num_steps": 5, "guidance_scale": 4.0, **sampler_kwargs})
-    traj = rollout(adapter, PROMPTS, GROUPS, sampler, range(1, 4), torch.Generator().manual_seed(1),
-                   height=SIZE, width=SIZE, sources=SOURCES)  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        GROUPS,
+        sampler,
+        range(1, 4),
+        torch.Generator().manual_seed(1),
+        height=SIZE,
+        width=SIZE,
+        sources=SOURCES,
+    )
     for j in range(traj.num_trained_steps):
         with torch.no_grad():
             again = evaluate_transitions(adapter, traj, j, sampler)
@@ -124,14 +152,24 @@ def test_text_is_read_with_its_image_and_each_pair_encoded_once():
     adapter = _adapter()
     sampler = SamplerConfig(num_steps=2, guidance_scale=4.0)
     for epoch in range(2):
-        traj = rollout(adapter, PROMPTS, GROUPS, sampler, range(0, 1), torch.Generator().manual_seed(epoch),
-                       height=SIZE, width=SIZE, sources=SOURCES)  # fmt: skip
+        traj = rollout(
+            adapter,
+            PROMPTS,
+            GROUPS,
+            sampler,
+            range(0, 1),
+            torch.Generator().manual_seed(epoch),
+            height=SIZE,
+            width=SIZE,
+            sources=SOURCES,
+        )
     # 3 unique (prompt, image) pairs + the negative prompt with each of 3 images: one batched text pass, one VAE pass.
     assert adapter.text_encoder_calls == 1 and adapter.source_encoder_calls == 1 and len(adapter._pair_cache) == 6
     torch.testing.assert_close(traj.source_images, torch.stack([_pixels(s) for s in SOURCES]), rtol=0, atol=1e-6)
     # The same instruction (and the negative prompt) read with another image is another embedding.
-    same_text = adapter.encode_conditions([PROMPTS[0]] * 2, with_negative=True, sources=SOURCES[:2], height=SIZE,
-                                          width=SIZE)  # fmt: skip
+    same_text = adapter.encode_conditions(
+        [PROMPTS[0]] * 2, with_negative=True, sources=SOURCES[:2], height=SIZE, width=SIZE
+    )
     assert not torch.allclose(same_text.prompt_embeds[0], same_text.prompt_embeds[1])
     assert not torch.allclose(same_text.negative_embeds[0], same_text.negative_embeds[1])
     # A pair's embedding does not depend on the batch it was encoded in (to float noise).
@@ -156,8 +194,9 @@ def test_qwenimage_edit_refuses_prompts_without_source_images():
     text = PromptDataset.from_file(ROOT / "configs" / "prompts" / "tiny_train.txt")
     with pytest.raises(DataError, match="data.train: qwenimage-edit edits images and cannot generate from text alone"):
         check_editing({"data.train": text}, adapter=adapter)
-    check_editing({"data.train": PromptDataset.from_file(ROOT / "configs" / "prompts" / "edit_tiny_train.jsonl")},
-                  adapter=adapter)  # fmt: skip
+    check_editing(
+        {"data.train": PromptDataset.from_file(ROOT / "configs" / "prompts" / "edit_tiny_train.jsonl")}, adapter=adapter
+    )
 
 
 # ---------------------------------------------------------------- the editing demo: train, then export to diffusers
@@ -168,10 +207,16 @@ def test_qwenimage_edit_demo_trains_and_exports_to_plain_diffusers(tmp_path, mon
 
     base = tmp_path / "base"
     build_tiny_pipeline("qwenimage-edit").save_pretrained(str(base))
-    config = load_config(ROOT / "configs" / "tiny_qwenimage_edit.yaml", [
-        f"run.output_dir={tmp_path / 'runs'}", "run.progress=false", f"model.pretrained={base}",
-        f"data.train={ROOT}/configs/prompts/edit_tiny_train.jsonl",
-        f"data.test={ROOT}/configs/prompts/edit_tiny_test.jsonl"])  # fmt: skip
+    config = load_config(
+        ROOT / "configs" / "tiny_qwenimage_edit.yaml",
+        [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "run.progress=false",
+            f"model.pretrained={base}",
+            f"data.train={ROOT}/configs/prompts/edit_tiny_train.jsonl",
+            f"data.test={ROOT}/configs/prompts/edit_tiny_test.jsonl",
+        ],
+    )
     trainer = GRPOTrainer(config)
     trainer.fit()
     rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -186,8 +231,17 @@ def test_qwenimage_edit_demo_trains_and_exports_to_plain_diffusers(tmp_path, mon
     adapter = adapter_from_checkpoint(config, ckpt)
     noise = adapter.initial_noise(2, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
     sampler = ode_sampler(config.eval)
-    ours = rollout(adapter, PROMPTS[:2], [0, 1], sampler, range(0, 0), height=SIZE, width=SIZE,
-                   initial_latents=noise, sources=SOURCES[:2]).images  # fmt: skip
+    ours = rollout(
+        adapter,
+        PROMPTS[:2],
+        [0, 1],
+        sampler,
+        range(0, 0),
+        height=SIZE,
+        width=SIZE,
+        initial_latents=noise,
+        sources=SOURCES[:2],
+    ).images
     pipe = QwenImageEditPipeline.from_pretrained(str(base))
     kwargs = {"steps": sampler.num_steps, "cfg": sampler.guidance_scale}
     before = _pipe_images(pipe, monkeypatch, SOURCES[:2], PROMPTS[:2], noise, **kwargs)

@@ -71,8 +71,10 @@ def ref_flowgrpo_sde(model_output, sample, sigma, sigma_prev, sigma_max, noise_l
     """Flow-GRPO flow_grpo/diffusers_patch/sd3_sde_with_logprob.py::sde_step_with_logprob, sde_type='sde'."""
     dt = sigma_prev - sigma
     std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
-    prev_sample_mean = (sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
-                        + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt)  # fmt: skip
+    prev_sample_mean = (
+        sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
+        + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    )
     prev_sample = prev_sample_mean + std_dev_t * torch.sqrt(-1 * dt) * variance_noise
     return prev_sample, prev_sample_mean, std_dev_t * torch.sqrt(-1 * dt)
 
@@ -112,8 +114,17 @@ def test_time_shift_rollout_reproduces_the_dancegrpo_sampling_loop(adapters):
     adapter, steps, shift = adapters["flux"], 8, 3.0
     latents = _noise(adapter)
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=3.5, time_shift=shift)
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 0), height=SIZE, width=SIZE,
-                   initial_latents=latents, decode=False)  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        [0, 1, 1, 2],
+        sampler,
+        range(0, 0),
+        height=SIZE,
+        width=SIZE,
+        initial_latents=latents,
+        decode=False,
+    )
 
     embeds = adapter.encode_prompts(PROMPTS)
     pipe, transformer = adapter.pipe, adapter.pipe.transformer
@@ -126,9 +137,16 @@ def test_time_shift_rollout_reproduces_the_dancegrpo_sampling_loop(adapters):
         for i in range(steps):
             sigma = sigma_schedule[i]
             timesteps = torch.full([z.shape[0]], int(sigma * 1000), dtype=torch.long)
-            pred = transformer(hidden_states=z, encoder_hidden_states=embeds.prompt_embeds, timestep=timesteps / 1000,
-                               guidance=torch.full([z.shape[0]], 3.5), txt_ids=text_ids,
-                               pooled_projections=embeds.pooled, img_ids=image_ids, return_dict=False)[0]  # fmt: skip
+            pred = transformer(
+                hidden_states=z,
+                encoder_hidden_states=embeds.prompt_embeds,
+                timestep=timesteps / 1000,
+                guidance=torch.full([z.shape[0]], 3.5),
+                txt_ids=text_ids,
+                pooled_projections=embeds.pooled,
+                img_ids=image_ids,
+                return_dict=False,
+            )[0]
             z = z + (sigma_schedule[i + 1] - sigma) * pred
     torch.testing.assert_close(traj.final_latents, z, rtol=0, atol=1e-6)
     # The pipeline's own schedule (what pipe() and evaluation use) is another one.
@@ -139,8 +157,17 @@ def test_time_shift_rollout_reproduces_the_dancegrpo_sampling_loop(adapters):
 def test_time_shift_rescores_with_the_same_truncated_timesteps(adapters):
     adapter = adapters["sd3"]
     sampler = SamplerConfig(noise_level=0.7, num_steps=6, guidance_scale=4.5, time_shift=3.0)
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 5), torch.Generator().manual_seed(3),
-                   height=SIZE, width=SIZE, decode=False)  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        [0, 1, 1, 2],
+        sampler,
+        range(0, 5),
+        torch.Generator().manual_seed(3),
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+    )
     torch.testing.assert_close(traj.sigmas[0], static_shift_schedule(6, 3.0)[0][:5], rtol=0, atol=0)
     _rescores_exactly(adapter, traj, sampler)
 
@@ -152,9 +179,13 @@ def test_flowgrpo_flux_last_step_numbers_and_every_kind_is_defined_at_t_next_zer
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's scheduler config
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
         max_image_seq_len=4096,
-    )  # fmt: skip
+    )
     sigmas, _ = pipeline_schedule(scheduler, 6, family="flux", image_seq_len=(512 // 16) ** 2)
     sigma = sigmas[-2]
     assert sigmas[-1] == 0 and abs(float(sigma) - 0.273) < 1e-3
@@ -169,9 +200,11 @@ def test_flowgrpo_flux_last_step_numbers_and_every_kind_is_defined_at_t_next_zer
     assert torch.isfinite(ours.log_prob).all()
     # cps and langevin are defined at t_next = 0 too, and deterministic there: the Euler (ODE) step.
     ode = ode_step(v, x, sigma, 0.0)
-    for step in (cps_step(v, x, sigma, 0.0, noise_level=0.8, noise=z),
-                 cps_step(v, x, sigma, 0.0, noise_level=0.8, noise=z, log_prob="squared_error"),
-                 langevin_step(v, x, sigma, 0.0, noise_level=0.9, t_second=sigmas[1], noise=z)):  # fmt: skip
+    for step in (
+        cps_step(v, x, sigma, 0.0, noise_level=0.8, noise=z),
+        cps_step(v, x, sigma, 0.0, noise_level=0.8, noise=z, log_prob="squared_error"),
+        langevin_step(v, x, sigma, 0.0, noise_level=0.9, t_second=sigmas[1], noise=z),
+    ):
         assert float(step.std.max()) == 0 and torch.equal(step.sample, ode) and torch.isfinite(step.log_prob).all()
 
 
@@ -181,9 +214,23 @@ def test_last_step_sde_adds_the_reference_noise_and_is_the_ode_without_noise(ada
     adapter, steps, seed = adapters["flux"], 6, 5
     latents = _noise(adapter)
     common = {"num_steps": steps, "guidance_scale": 3.5}
-    run = lambda **kw: rollout(adapter, PROMPTS, [0, 1, 1, 2], SamplerConfig(**common, **kw), range(0, steps - 1),  # noqa: E731
-                               torch.Generator().manual_seed(seed), height=SIZE, width=SIZE, initial_latents=latents,
-                               decode=False)  # fmt: skip
+
+    def run(**kw):
+        generator = torch.Generator().manual_seed(seed)
+        sampler = SamplerConfig(**common, **kw)
+        return rollout(
+            adapter,
+            PROMPTS,
+            [0, 1, 1, 2],
+            sampler,
+            range(0, steps - 1),
+            generator,
+            height=SIZE,
+            width=SIZE,
+            initial_latents=latents,
+            decode=False,
+        )
+
     # No noise: the same images as the ODE last step.
     quiet = run(noise_level=0.0, last_step="sde")
     assert torch.equal(quiet.final_latents, run(noise_level=0.0, last_step="ode").final_latents)
@@ -229,11 +276,19 @@ def test_batches_with_different_windows_join_and_rescore_exactly(adapters):
     window = SlidingWindow(steps, 2, strategy="random", seed=0)
     w0, w1 = window.steps(0, batch=0), window.steps(0, batch=1)
     assert w0 != w1
-    sampler = SamplerConfig(noise_level=0.7, num_steps=steps, guidance_scale=4.5,
-                            window=WindowConfig(size=2, strategy="random", per_batch=True))  # fmt: skip
+    sampler = SamplerConfig(
+        noise_level=0.7,
+        num_steps=steps,
+        guidance_scale=4.5,
+        window=WindowConfig(size=2, strategy="random", per_batch=True),
+    )
     generator = torch.Generator().manual_seed(1)
-    parts = [rollout(adapter, PROMPTS[2 * b : 2 * b + 2], [b, b], sampler, w, generator, height=SIZE, width=SIZE,
-                     decode=False) for b, w in enumerate((w0, w1))]  # fmt: skip
+    parts = [
+        rollout(
+            adapter, PROMPTS[2 * b : 2 * b + 2], [b, b], sampler, w, generator, height=SIZE, width=SIZE, decode=False
+        )
+        for b, w in enumerate((w0, w1))
+    ]
     traj = Trajectory.cat(parts)
     assert traj.step_indices.tolist() == [list(w0)] * 2 + [list(w1)] * 2
     full, _ = adapter.schedule(steps, SIZE, SIZE)
@@ -243,8 +298,14 @@ def test_batches_with_different_windows_join_and_rescore_exactly(adapters):
     _rescores_exactly(adapter, traj, sampler)
     _rescores_exactly(adapter, traj.select([3, 0, 2]), sampler, exact=False)  # a micro-batch across both windows
     with pytest.raises(ValueError, match="same size"):
-        Trajectory.cat([parts[0], rollout(adapter, PROMPTS[:2], [0, 0], sampler, range(0, 3), generator,
-                                          height=SIZE, width=SIZE, decode=False)])  # fmt: skip
+        Trajectory.cat(
+            [
+                parts[0],
+                rollout(
+                    adapter, PROMPTS[:2], [0, 0], sampler, range(0, 3), generator, height=SIZE, width=SIZE, decode=False
+                ),
+            ]
+        )
 
 
 def test_trainer_draws_a_window_per_batch_and_stays_on_policy(tmp_path, monkeypatch):
@@ -255,10 +316,19 @@ def test_trainer_draws_a_window_per_batch_and_stays_on_policy(tmp_path, monkeypa
     import flowgrpo.trainer as trainer_module
 
     root = Path(__file__).resolve().parent.parent
-    config = load_config(root / "configs" / "tiny_sd3.yaml", [
-        f"run.output_dir={tmp_path}", "run.progress=false", "run.epochs=1", "eval.every=0", "run.seed=0",
-        "sampler.window.size=2", "sampler.window.strategy=random", "sampler.window.per_batch=true",
-    ])  # fmt: skip
+    config = load_config(
+        root / "configs" / "tiny_sd3.yaml",
+        [
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "run.epochs=1",
+            "eval.every=0",
+            "run.seed=0",
+            "sampler.window.size=2",
+            "sampler.window.strategy=random",
+            "sampler.window.per_batch=true",
+        ],
+    )
     windows = []
     real_rollout = chain_module.rollout
     monkeypatch.setattr(chain_module, "rollout", lambda *a, **k: windows.append(a[4]) or real_rollout(*a, **k))
@@ -286,8 +356,9 @@ def test_squared_error_log_prob_is_flowgrpo_cps_convention():
     torch.testing.assert_close(ours.log_prob, log_prob, rtol=1e-5, atol=1e-7)
     # Scoring a stored sample (training): the reference's prev_sample path.
     stored = torch.randn(x.shape, generator=g)
-    rescored = cps_step(v, x, sigma.flatten(), sigma_prev.flatten(), noise_level=0.8, prev_sample=stored,
-                        log_prob="squared_error")  # fmt: skip
+    rescored = cps_step(
+        v, x, sigma.flatten(), sigma_prev.flatten(), noise_level=0.8, prev_sample=stored, log_prob="squared_error"
+    )
     torch.testing.assert_close(rescored.log_prob, ref_flowgrpo_cps(v, x, sigma, sigma_prev, 0.8, stored)[1])
     exact = cps_step(v, x, sigma.flatten(), sigma_prev.flatten(), noise_level=0.8, noise=z)
     assert not torch.allclose(exact.log_prob, ours.log_prob)
@@ -298,8 +369,17 @@ def test_squared_error_log_prob_is_flowgrpo_cps_convention():
 def test_squared_error_flows_through_rollout_and_rescoring(adapters):
     adapter = adapters["flux"]
     sampler = SamplerConfig(kind="cps", noise_level=0.8, num_steps=6, guidance_scale=3.5, log_prob="squared_error")
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 3), torch.Generator().manual_seed(2),
-                   height=SIZE, width=SIZE, decode=False)  # fmt: skip
+    traj = rollout(
+        adapter,
+        PROMPTS,
+        [0, 1, 1, 2],
+        sampler,
+        range(0, 3),
+        torch.Generator().manual_seed(2),
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+    )
     for j in range(3):
         with torch.no_grad():
             mean = evaluate_transitions(adapter, traj, j, sampler).mean
@@ -412,8 +492,9 @@ def _determistic(num_steps, window):
     return determistic
 
 
-@pytest.mark.parametrize("window", [range(0, 4), range(1, 4), range(5, 9), range(10, 14), range(16, 20),
-                                    range(17, 21), range(19, 23)])  # fmt: skip
+@pytest.mark.parametrize(
+    "window", [range(0, 4), range(1, 4), range(5, 9), range(10, 14), range(16, 20), range(17, 21), range(19, 23)]
+)
 def test_time_shift_tail_is_mixgrpo_flash_post_schedule(window):
     """MixGRPO-Flash (T = 25, shift 3, dpm_post_compress_ratio 0.4): the tail is ``int((T - last) · 0.4)`` points
     of ``sd3_time_shift(3, linspace(t_{last+1}, 0, n))`` (t unshifted), after the unchanged sigmas up to the window's
@@ -460,9 +541,16 @@ def _ref_flux_velocity(adapter, embeds, guidance=3.5):
 
     def velocity(z, sigma):
         timesteps = torch.full([z.shape[0]], int(sigma * 1000), dtype=torch.long)
-        return transformer(hidden_states=z, encoder_hidden_states=embeds.prompt_embeds, timestep=timesteps / 1000,
-                           guidance=torch.full([z.shape[0]], guidance), txt_ids=text_ids,
-                           pooled_projections=embeds.pooled, img_ids=image_ids, return_dict=False)[0]  # fmt: skip
+        return transformer(
+            hidden_states=z,
+            encoder_hidden_states=embeds.prompt_embeds,
+            timestep=timesteps / 1000,
+            guidance=torch.full([z.shape[0]], guidance),
+            txt_ids=text_ids,
+            pooled_projections=embeds.pooled,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
 
     return velocity
 
@@ -481,10 +569,21 @@ def test_carry_history_is_mixgrpo_flash_solver_state(adapters, window):
 
     def run(carry):
         post = PostWindowConfig(solver="dpmpp_2m", ratio=0.4, carry_history=carry)
-        sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=3.5, post_window=post,
-                                time_shift=shift)  # fmt: skip
-        return rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
-                       height=SIZE, width=SIZE, initial_latents=latents, decode=False).final_latents  # fmt: skip
+        sampler = SamplerConfig(
+            noise_level=0.0, num_steps=steps, guidance_scale=3.5, post_window=post, time_shift=shift
+        )
+        return rollout(
+            adapter,
+            PROMPTS[:2],
+            [0, 0],
+            sampler,
+            window,
+            torch.Generator().manual_seed(0),
+            height=SIZE,
+            width=SIZE,
+            initial_latents=latents,
+            decode=False,
+        ).final_latents
 
     torch.testing.assert_close(run(True), expected, rtol=1e-5, atol=1e-5)
     assert (run(False) - expected).abs().max() > 1e-3  # first order after the window: not the reference
@@ -499,12 +598,23 @@ def test_carry_history_on_the_pipeline_schedule_uses_compress_schedule(adapters)
     full, _ = adapter.schedule(steps, SIZE, SIZE)
     sigmas = compress_schedule(full, window.stop, 0.4)
     with torch.no_grad():
-        expected = ref_mixgrpo_flash(lambda y, s: adapter.velocity(y, s, embeds, 3.5), latents.clone(), sigmas,
-                                     window.stop - 1)  # fmt: skip
+        expected = ref_mixgrpo_flash(
+            lambda y, s: adapter.velocity(y, s, embeds, 3.5), latents.clone(), sigmas, window.stop - 1
+        )
     post = PostWindowConfig(solver="dpmpp_2m", ratio=0.4, carry_history=True)
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=3.5, post_window=post)
-    got = rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0), height=SIZE,
-                  width=SIZE, initial_latents=latents, decode=False).final_latents  # fmt: skip
+    got = rollout(
+        adapter,
+        PROMPTS[:2],
+        [0, 0],
+        sampler,
+        window,
+        torch.Generator().manual_seed(0),
+        height=SIZE,
+        width=SIZE,
+        initial_latents=latents,
+        decode=False,
+    ).final_latents
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -515,12 +625,22 @@ def test_mixgrpo_flash_tail_leaves_the_window_and_the_ratio_alone(adapters):
     latents = _noise(adapter)
 
     def run(solver):
-        post = PostWindowConfig(solver=solver, ratio=0.4 if solver == "dpmpp_2m" else 1.0,
-                                carry_history=solver == "dpmpp_2m")  # fmt: skip
-        sampler = SamplerConfig(noise_level=0.9, num_steps=steps, guidance_scale=3.5, post_window=post,
-                                time_shift=3.0)  # fmt: skip
-        traj = rollout(adapter, PROMPTS, [0, 0, 1, 1], sampler, window, torch.Generator().manual_seed(3),
-                       height=SIZE, width=SIZE, initial_latents=latents, decode=False)  # fmt: skip
+        post = PostWindowConfig(
+            solver=solver, ratio=0.4 if solver == "dpmpp_2m" else 1.0, carry_history=solver == "dpmpp_2m"
+        )
+        sampler = SamplerConfig(noise_level=0.9, num_steps=steps, guidance_scale=3.5, post_window=post, time_shift=3.0)
+        traj = rollout(
+            adapter,
+            PROMPTS,
+            [0, 0, 1, 1],
+            sampler,
+            window,
+            torch.Generator().manual_seed(3),
+            height=SIZE,
+            width=SIZE,
+            initial_latents=latents,
+            decode=False,
+        )
         return traj, sampler
 
     flash, sampler = run("dpmpp_2m")
@@ -553,14 +673,30 @@ def test_recipe_option_errors_name_the_key_and_the_fix(overrides, message):
 
 
 def test_recipe_options_accept_the_published_settings():
-    flowgrpo_fast = load_config(None, ["sampler.kind=cps", "sampler.noise_level=0.8", "sampler.log_prob=squared_error",
-                                       "sampler.window.size=3", "sampler.window.strategy=random",
-                                       "sampler.window.max_start=2", "sampler.window.per_batch=true"])  # fmt: skip
+    flowgrpo_fast = load_config(
+        None,
+        [
+            "sampler.kind=cps",
+            "sampler.noise_level=0.8",
+            "sampler.log_prob=squared_error",
+            "sampler.window.size=3",
+            "sampler.window.strategy=random",
+            "sampler.window.max_start=2",
+            "sampler.window.per_batch=true",
+        ],
+    )
     assert flowgrpo_fast.sampler.window.per_batch and flowgrpo_fast.sampler.log_prob == "squared_error"
-    mixgrpo = load_config(None, [
-        "sampler.num_steps=25", "sampler.time_shift=3", "sampler.window.size=4", "sampler.window.end_margin=2",
-        "sampler.post_window.solver=dpmpp_2m", "sampler.post_window.ratio=0.4",
-        "sampler.post_window.carry_history=true",
-    ])  # fmt: skip
+    mixgrpo = load_config(
+        None,
+        [
+            "sampler.num_steps=25",
+            "sampler.time_shift=3",
+            "sampler.window.size=4",
+            "sampler.window.end_margin=2",
+            "sampler.post_window.solver=dpmpp_2m",
+            "sampler.post_window.ratio=0.4",
+            "sampler.post_window.carry_history=true",
+        ],
+    )
     assert mixgrpo.sampler.time_shift == 3.0
     assert load_config(None, ["sampler.last_step=sde"]).sampler.last_step == "sde"

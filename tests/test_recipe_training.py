@@ -63,8 +63,11 @@ def _mixgrpo_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, flo
 def test_per_reward_normalized_weights_follow_mixgrpo():
     torch.manual_seed(0)
     k = 6
-    rewards = {"hpsv2": 0.25 + 0.01 * torch.randn(18), "pickscore": 21 + torch.randn(18),
-               "clipscore": 0.3 + 0.05 * torch.randn(18)}  # fmt: skip
+    rewards = {
+        "hpsv2": 0.25 + 0.01 * torch.randn(18),
+        "pickscore": 21 + torch.randn(18),
+        "clipscore": 0.3 + 0.05 * torch.randn(18),
+    }
     # One group with a single outlier: its unclipped per-reward advantage exceeds 5 (only the sum is clipped).
     rewards["pickscore"][12:18] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
     weights = {"hpsv2": 1.0, "pickscore": 1.0, "clipscore": 2.0}
@@ -129,8 +132,14 @@ def test_trainer_trains_only_nonzero_advantages(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "compute_advantages", half_zero)
     rows = {}
     for drop in (False, True):
-        overrides = [f"run.output_dir={tmp_path / str(drop)}", "run.progress=false", "run.epochs=1", "eval.every=0",
-                     "train.batch_size=4", f"grpo.drop_zero_advantage={drop}"]  # fmt: skip
+        overrides = [
+            f"run.output_dir={tmp_path / str(drop)}",
+            "run.progress=false",
+            "run.epochs=1",
+            "eval.every=0",
+            "train.batch_size=4",
+            f"grpo.drop_zero_advantage={drop}",
+        ]
         config = load_config(TINY, overrides)
         trainer = GRPOTrainer(config)
         trainer.fit()
@@ -152,15 +161,24 @@ def test_timestep_fraction_matches_dancegrpo():
     reference = torch.stack([torch.randperm(steps, generator=reference_gen) for _ in range(5)])[:, :dance]
     assert torch.equal(positions, reference)
     assert all(len(set(row.tolist())) == 10 for row in positions)
-    assert torch.equal(trained_positions(2, 4, torch.Generator(), shuffle=False, fraction=0.5),
-                       torch.tensor([[0, 1], [0, 1]]))  # fmt: skip
+    assert torch.equal(
+        trained_positions(2, 4, torch.Generator(), shuffle=False, fraction=0.5), torch.tensor([[0, 1], [0, 1]])
+    )
     assert trained_count(3, 0.1) == 1
     assert trained_count(50, 0.58) == int(50 * 0.58) == 28  # int() as DanceGRPO, no rounding up
 
 
 def test_updates_per_epoch_do_not_depend_on_the_process_count():
-    config = load_config(TINY, ["grpo.group_size=8", "grpo.groups_per_epoch=12", "sampler.batch_size=4",
-                                "train.batch_size=4", "train.updates_per_epoch=3"])  # fmt: skip
+    config = load_config(
+        TINY,
+        [
+            "grpo.group_size=8",
+            "grpo.groups_per_epoch=12",
+            "sampler.batch_size=4",
+            "train.batch_size=4",
+            "train.updates_per_epoch=3",
+        ],
+    )
     for world in (1, 2, 4, 8):  # 24, 12, 6, 3 micro-batches per process
         micro_per_process = 96 // world // 4
         accumulation = accumulation_steps(config, world)
@@ -216,8 +234,16 @@ def test_eval_uses_ema_weights(tmp_path):
     """eval.use_ema: evaluation sees the EMA weights; training resumes with its own weights afterwards."""
     from flowgrpo.trainer import GRPOTrainer
 
-    config = load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "train.ema=0.9",
-                                "eval.use_ema=true", "eval.max_prompts=2"])  # fmt: skip
+    config = load_config(
+        TINY,
+        [
+            f"run.output_dir={tmp_path}",
+            "run.progress=false",
+            "train.ema=0.9",
+            "eval.use_ema=true",
+            "eval.max_prompts=2",
+        ],
+    )
     trainer = GRPOTrainer(config)
     trained = [p.detach().clone() for p in trainer.params]
     with torch.no_grad():

@@ -337,10 +337,21 @@ def test_each_reward_preprocesses_like_its_reference(monkeypatch):
 
 # open_clip.create_model's keywords in 2.26, the oldest version pyproject admits (pretrained_text came with 3.0)
 OPEN_CLIP_2_26_KWARGS = {
-    "pretrained", "precision", "device", "jit", "force_quick_gelu", "force_custom_text", "force_patch_dropout",
-    "force_image_size", "force_preprocess_cfg", "pretrained_image", "pretrained_hf", "cache_dir", "output_dict",
+    "pretrained",
+    "precision",
+    "device",
+    "jit",
+    "force_quick_gelu",
+    "force_custom_text",
+    "force_patch_dropout",
+    "force_image_size",
+    "force_preprocess_cfg",
+    "pretrained_image",
+    "pretrained_hf",
+    "cache_dir",
+    "output_dict",
     "require_pretrained",
-}  # fmt: skip
+}
 
 
 def test_random_init_by_architecture_name_keeps_to_open_clip_2_26(monkeypatch, tmp_path):

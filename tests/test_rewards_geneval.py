@@ -35,12 +35,24 @@ OPEN_CLIP_TINY = {
     "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
 }
 MASK2FORMER_TINY = {
-    "backbone_config": {"model_type": "swin", "embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 1, 1],
-                        "out_features": ["stage1", "stage2", "stage3", "stage4"]},
-    "feature_size": 32, "mask_feature_size": 32, "hidden_dim": 32, "encoder_feedforward_dim": 64,
-    "encoder_layers": 1, "decoder_layers": 2, "num_attention_heads": 2, "dim_feedforward": 64, "num_queries": 10,
+    "backbone_config": {
+        "model_type": "swin",
+        "embed_dim": 16,
+        "depths": [1, 1, 1, 1],
+        "num_heads": [1, 1, 1, 1],
+        "out_features": ["stage1", "stage2", "stage3", "stage4"],
+    },
+    "feature_size": 32,
+    "mask_feature_size": 32,
+    "hidden_dim": 32,
+    "encoder_feedforward_dim": 64,
+    "encoder_layers": 1,
+    "decoder_layers": 2,
+    "num_attention_heads": 2,
+    "dim_feedforward": 64,
+    "num_queries": 10,
     "id2label": {i: name for i, name in enumerate(CLASSES)},
-}  # fmt: skip
+}
 
 
 def det(x1: float, y1: float, x2: float, y2: float, score: float = 0.95) -> Detection:
@@ -103,8 +115,10 @@ def test_colors_classify_the_most_confident_objects():
 
 
 def test_position_margin_and_the_servers_scoring():
-    meta = {"tag": "position", "include": [{"class": "teddy bear", "count": 1},
-                                           {"class": "dog", "count": 1, "position": ["right of", 0]}]}  # fmt: skip
+    meta = {
+        "tag": "position",
+        "include": [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}],
+    }
     bear = det(0, 0, 100, 100)
     assert judge({"teddy bear": [bear], "dog": [det(200, 0, 300, 100)]}, meta, NO_COLORS) == Verdict(1.0, True, True)
     # wrong side: the server appends 0 and then 1 -> [1, 1, 0, 1]
@@ -131,8 +145,13 @@ def test_relative_position_by_hand():
 
 
 def test_color_attr():
-    meta = {"tag": "color_attr", "include": [{"class": "wine glass", "count": 1, "color": "purple"},
-                                             {"class": "apple", "count": 1, "color": "black"}]}  # fmt: skip
+    meta = {
+        "tag": "color_attr",
+        "include": [
+            {"class": "wine glass", "count": 1, "color": "purple"},
+            {"class": "apple", "count": 1, "color": "black"},
+        ],
+    }
     objects = {"wine glass": [det(0, 0, 9, 9)], "apple": [det(20, 0, 29, 9)]}
     right = painter({"wine glass": ["purple"], "apple": ["black"]})
     assert judge(objects, meta, right) == Verdict(1.0, True, True)
@@ -153,8 +172,9 @@ def test_select_objects_thresholds_cap_and_nms():
 
 
 def test_check_metadata_names_the_problem():
-    check_metadata({"tag": "counting", "include": [{"class": "clock", "count": 2}],
-                    "exclude": [{"class": "clock", "count": 3}]})  # fmt: skip
+    check_metadata(
+        {"tag": "counting", "include": [{"class": "clock", "count": 2}], "exclude": [{"class": "clock", "count": 3}]}
+    )
     with pytest.raises(ValueError, match="needs a 'tag'"):
         check_metadata({"include": [{"class": "cat", "count": 1}]})
     with pytest.raises(ValueError, match=r"include\[0\] needs a 'class'"):
@@ -172,8 +192,9 @@ def test_instance_detections_follow_mmdet():
     class_logits = torch.tensor([[5.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 5.0]])  # query 1: "no object"
     masks = torch.full((2, 4, 4), -10.0)
     masks[0, 1:3, 0:3] = 10.0
-    out = instance_detections(class_logits, masks, padded_size=(4, 4), resized_size=(4, 4), image_size=(4, 4),
-                              min_score=0.3)  # fmt: skip
+    out = instance_detections(
+        class_logits, masks, padded_size=(4, 4), resized_size=(4, 4), image_size=(4, 4), min_score=0.3
+    )
     assert len(out) == 1
     label, found = out[0]
     p = math.exp(5) / (math.exp(5) + 3)
@@ -198,8 +219,16 @@ def test_detector_input_size_is_mmcv_rescale():
 
 @pytest.fixture(scope="module")
 def combined():
-    reward = build_reward({"geneval": {"random_init": True, "detector_config": MASK2FORMER_TINY,
-                                       "clip_config": OPEN_CLIP_TINY, "detector_size": [48, 96]}})  # fmt: skip
+    reward = build_reward(
+        {
+            "geneval": {
+                "random_init": True,
+                "detector_config": MASK2FORMER_TINY,
+                "clip_config": OPEN_CLIP_TINY,
+                "detector_size": [48, 96],
+            }
+        }
+    )
     model = reward.rewards["geneval"]
     with torch.no_grad():  # every query says "cat" (p ~ 0.996); random masks give scores ~0.5: > 0.3, < 0.9
         model.detector.class_predictor.weight.zero_()
@@ -275,8 +304,14 @@ def make_prompts():
 def test_geneval_suite_is_genevals_benchmark(make_prompts):
     suite = make_prompts.geneval_suite()
     counts = {t: sum(s["tag"] == t for s in suite) for t in TAGS}
-    assert counts == {"single_object": 80, "two_object": 99, "counting": 80, "colors": 94, "position": 100,
-                      "color_attr": 100}  # fmt: skip
+    assert counts == {
+        "single_object": 80,
+        "two_object": 99,
+        "counting": 80,
+        "colors": 94,
+        "position": 100,
+        "color_attr": 100,
+    }
     assert [s["prompt"] for s in suite[:3]] == ["a photo of a bench", "a photo of a cow", "a photo of a bicycle"]
     first = {t: next(s for s in suite if s["tag"] == t) for t in TAGS}
     assert first["counting"] == {
@@ -286,8 +321,10 @@ def test_geneval_suite_is_genevals_benchmark(make_prompts):
         "prompt": "a photo of two clocks",
     }
     assert first["position"]["prompt"] == "a photo of a dog right of a teddy bear"
-    assert first["position"]["include"] == [{"class": "teddy bear", "count": 1},
-                                            {"class": "dog", "count": 1, "position": ["right of", 0]}]  # fmt: skip
+    assert first["position"]["include"] == [
+        {"class": "teddy bear", "count": 1},
+        {"class": "dog", "count": 1, "position": ["right of", 0]},
+    ]
 
 
 def test_make_prompts_geneval_files(make_prompts, tmp_path):

@@ -52,9 +52,14 @@ def files(tmp_path_factory):
 
 def _reward(files, **options):
     spec = {
-        "name": "imagereward", "checkpoint": str(files / "ImageReward.pt"), "tokenizer": str(files / "tok"),
-        "vision_config": fx.TINY_VISION, "med_config": fx.TINY_MED, "local_files_only": True, **options,
-    }  # fmt: skip
+        "name": "imagereward",
+        "checkpoint": str(files / "ImageReward.pt"),
+        "tokenizer": str(files / "tok"),
+        "vision_config": fx.TINY_VISION,
+        "med_config": fx.TINY_MED,
+        "local_files_only": True,
+        **options,
+    }
     return build_reward([spec]).rewards["imagereward"]
 
 
@@ -112,10 +117,14 @@ def test_preprocessing_follows_the_reference_transform(files):
     """Non-square images: shortest side to 32 (bicubic), centre crop, CLIP normalisation, as ImageReward's
     ``_transform`` on uint8 PIL images; the resampling kernels and the uint8 rounding differ slightly."""
     reward = _reward(files)
-    reference = transforms.Compose([
-        transforms.Resize(fx.TINY_SIZE, interpolation=transforms.InterpolationMode.BICUBIC),
-        transforms.CenterCrop(fx.TINY_SIZE), transforms.ToTensor(), transforms.Normalize(OPENAI_MEAN, OPENAI_STD),
-    ])  # fmt: skip
+    reference = transforms.Compose(
+        [
+            transforms.Resize(fx.TINY_SIZE, interpolation=transforms.InterpolationMode.BICUBIC),
+            transforms.CenterCrop(fx.TINY_SIZE),
+            transforms.ToTensor(),
+            transforms.Normalize(OPENAI_MEAN, OPENAI_STD),
+        ]
+    )
     enc = reward.tokenizer(fx.PROMPTS, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
     for height, width in ((48, 40), (40, 72)):
         images = _images(height, width)

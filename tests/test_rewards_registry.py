@@ -57,8 +57,16 @@ def fake_rewards():
 
 
 def test_builtins_registered_and_protocol():
-    assert {"ocr", "jpeg_compressibility", "jpeg_incompressibility", "clipscore", "pickscore", "aesthetic",
-            "hpsv2", "remote"} <= set(available_rewards())
+    assert {
+        "ocr",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "clipscore",
+        "pickscore",
+        "aesthetic",
+        "hpsv2",
+        "remote",
+    } <= set(available_rewards())
     reward = build_reward({"jpeg_incompressibility": 1.0})
     assert isinstance(reward, Reward) and isinstance(reward, CombinedReward)
 
@@ -110,22 +118,28 @@ def test_spec_forms_agree(fake_rewards):
 def test_same_reward_twice_needs_keys():
     with pytest.raises(ValueError, match="appears twice"):
         build_reward([{"name": "jpeg_compressibility"}, {"name": "jpeg_compressibility", "quality": 50}])
-    reward = build_reward([{"name": "jpeg_compressibility"}, {"name": "jpeg_compressibility", "quality": 50,
-                                                              "key": "jpeg50", "weight": 0.0}])
+    reward = build_reward(
+        [
+            {"name": "jpeg_compressibility"},
+            {"name": "jpeg_compressibility", "quality": 50, "key": "jpeg50", "weight": 0.0},
+        ]
+    )
     out = reward(_images(), PROMPTS)
     assert (out["jpeg50"] > out["jpeg_compressibility"]).all()  # quality 50 -> smaller files -> higher score
     assert torch.equal(out["total"], out["jpeg_compressibility"])  # weight 0: logged, not summed
 
 
 def test_custom_module_class_loads_from_config(tmp_path, monkeypatch):
-    (tmp_path / "my_custom_rewards.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_custom_rewards.py").write_text(
+        textwrap.dedent("""
         class Brightness:
             def __init__(self, scale=1.0, device="cpu"):
                 self.scale, self.device = scale, device
 
             def __call__(self, images, prompts, metadata=None):
                 return {"brightness": self.scale * images.mean(dim=(1, 2, 3))}
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     images = _images()
     reward = build_reward({"my_custom_rewards:Brightness": {"weight": 2.0, "scale": 3.0}})
@@ -143,14 +157,16 @@ def test_custom_module_class_loads_from_config(tmp_path, monkeypatch):
 
 def test_things_that_are_not_rewards_or_lack_options_are_config_errors(tmp_path, monkeypatch):
     # Each of these raised a TypeError (a traceback from train.py) or built a module that crashed when scored.
-    (tmp_path / "my_threshold_reward.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_threshold_reward.py").write_text(
+        textwrap.dedent("""
         class Threshold:
             def __init__(self, threshold, device="cpu"):
                 self.threshold = threshold
 
             def __call__(self, images, prompts, metadata=None):
                 return images.mean(dim=(1, 2, 3)) > self.threshold
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"'my_threshold_reward:Threshold' needs option\(s\) threshold"):
         build_reward({"my_threshold_reward:Threshold": 1.0})
@@ -160,8 +176,11 @@ def test_things_that_are_not_rewards_or_lack_options_are_config_errors(tmp_path,
         build_reward({"remote": 1.0})
     with pytest.raises(ValueError, match=r"reward 'json:dumps' needs option\(s\) obj"):
         build_reward({"json:dumps": 1.0})
-    for spec in ({"torch.nn:Linear": 1.0}, {"torch.nn:Linear": {"in_features": 3, "out_features": 1}},
-                 {"json:JSONDecoder": 1.0}):  # fmt: skip
+    for spec in (
+        {"torch.nn:Linear": 1.0},
+        {"torch.nn:Linear": {"in_features": 3, "out_features": 1}},
+        {"json:JSONDecoder": 1.0},
+    ):
         with pytest.raises(ValueError, match=r"is not a reward: a reward is called as reward\(images, prompts"):
             build_reward(spec)
 

@@ -258,8 +258,11 @@ def _zeros(images, prompts, metadata=None):
 BAD_REQUESTS = {  # name: (raw request, expected status, words of the error)
     "9000x9000 png bombs": (_post(_score_request("png", [_b64(_png(9000, 9000))] * 2, 2)), 413, "pixels"),
     "100000x100000 png bomb": (_post(_score_request("png", [_b64(_png(100_000, 100_000))])), 413, "pixels"),
-    "npz claiming 10^10 pixels": (_post(_score_request("npz", _b64(_npz_claiming((100, 3, 10_000, 10_000))))), 413,
-                                  "pixels"),
+    "npz claiming 10^10 pixels": (
+        _post(_score_request("npz", _b64(_npz_claiming((100, 3, 10_000, 10_000))))),
+        413,
+        "pixels",
+    ),
     "bad zip": (_post(_score_request("npz", _b64(b"PK\x03\x04 not a zip"))), 400, "malformed request"),
     "bad base64": (_post(_score_request("png", ["***"])), 400, "malformed request"),
     "png sizes differ": (_post(_score_request("png", [_b64(_png(8, 8)), _b64(_png(9, 9))], 2)), 400, "differ"),
@@ -269,7 +272,7 @@ BAD_REQUESTS = {  # name: (raw request, expected status, words of the error)
     "negative Content-Length": (_post(b"", "-5"), 400, "Content-Length"),
     "huge Content-Length": (_post(b"", str(10**12)), 413, "exceeds"),
     "no Content-Length": (b"POST /score HTTP/1.1\r\nHost: x\r\n\r\n", 411, "Content-Length"),
-}  # fmt: skip
+}
 
 
 def test_every_bad_request_gets_a_4xx_reply():
@@ -470,8 +473,14 @@ def test_flowgrpo_protocol_talks_to_the_reference_geneval_server():
     images = torch.stack([torch.full((3, 32, 32), v) for v in (0.8, 0.2, 0.3)])
     prompts = ["a photo of two cats", "a photo of a red car", "a photo of three dogs"]
     with reference_server("geneval") as (url, state):
-        spec = {"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True, "key": "geneval",
-                "batch_size": 2}  # fmt: skip
+        spec = {
+            "name": "remote",
+            "protocol": "flowgrpo",
+            "url": url,
+            "trust_pickle": True,
+            "key": "geneval",
+            "batch_size": 2,
+        }
         out = build_reward([spec])(images, prompts, GENEVAL_META)
         full = build_reward([{**spec, "only_strict": False}])(images[:1], prompts[:1], GENEVAL_META[:1])
     first, second = state["requests"][:2]
@@ -508,8 +517,9 @@ def test_flowgrpo_protocol_deqa_reply():
 
 def test_flowgrpo_protocol_errors_refusals_and_hostile_replies():
     with reference_server("crash") as (url, state):
-        remote = build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True,
-                                "retries": 3, "backoff": 5}])  # fmt: skip
+        remote = build_reward(
+            [{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True, "retries": 3, "backoff": 5}]
+        )
         with pytest.raises(RewardError, match=r"HTTP 500: RuntimeError: CUDA out of memory"):
             remote(torch.rand(1, 3, 8, 8), ["a"])
     assert len(state["requests"]) == 1  # the traceback's last line shown, not retried
@@ -527,10 +537,20 @@ def test_flowgrpo_protocol_errors_refusals_and_hostile_replies():
         build_reward([{"name": "remote", "protocol": "flowgrpo", "url": "http://127.0.0.1:18085"}])
     for host in ("10.1.2.3", "reward-host", "0.0.0.0"):
         with pytest.raises(ValueError, match=r"loopback-only by default.*allow_non_loopback: true"):
-            build_reward([{"name": "remote", "protocol": "flowgrpo", "url": f"http://{host}:18085",
-                           "trust_pickle": True}])  # fmt: skip
-    build_reward([{"name": "remote", "protocol": "flowgrpo", "url": "http://10.1.2.3:18085", "trust_pickle": True,
-                   "allow_non_loopback": True}])  # fmt: skip
+            build_reward(
+                [{"name": "remote", "protocol": "flowgrpo", "url": f"http://{host}:18085", "trust_pickle": True}]
+            )
+    build_reward(
+        [
+            {
+                "name": "remote",
+                "protocol": "flowgrpo",
+                "url": "http://10.1.2.3:18085",
+                "trust_pickle": True,
+                "allow_non_loopback": True,
+            }
+        ]
+    )
     for url in ("http://localhost:18085", "http://[::1]:18085", "http://127.0.0.2:18085"):
         build_reward([{"name": "remote", "protocol": "flowgrpo", "url": url, "trust_pickle": True}])
     with pytest.raises(ValueError, match="apply to protocol 'flowgrpo' only"):

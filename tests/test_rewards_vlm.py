@@ -100,9 +100,18 @@ def test_unifiedreward_request_and_flowgrpo_parsing(monkeypatch):
     with fake_judge(lambda body, state: (200, chat_reply(replies[prompt_of(body)]))) as (url, state):
         monkeypatch.setenv("JUDGE_KEY", "sk-test")
         reward = build_reward(
-            [{"name": "vlm", "url": url, "model": "UnifiedReward-7b-v1.5", "template": "unifiedreward",
-              "api_key_env": "JUDGE_KEY", "key": "unifiedreward"}], nan_policy="drop",
-        )  # fmt: skip
+            [
+                {
+                    "name": "vlm",
+                    "url": url,
+                    "model": "UnifiedReward-7b-v1.5",
+                    "template": "unifiedreward",
+                    "api_key_env": "JUDGE_KEY",
+                    "key": "unifiedreward",
+                }
+            ],
+            nan_policy="drop",
+        )
         batch = images(3)
         out = reward(batch, list(replies))
     # Flow-GRPO: regex Final Score:\s*([1-5](?:\.\d+)?) divided by 5; no match -> NaN here (the trainer's nan_policy)
@@ -131,10 +140,17 @@ def test_number_parser_range_resize_jpeg_system_prompt_and_extra_body():
 
     with fake_judge(answer) as (url, state):
         reward = VlmReward(
-            url=url + "/chat/completions", model="qwen", template="Rate [{prompt}]", score_range=[0, 10],
-            image_format="jpeg", image_size=24, system_prompt="You are a judge.", extra_body={"top_k": 1},
-            max_concurrency=1, parse_failure_score=-1.0,
-        )  # fmt: skip
+            url=url + "/chat/completions",
+            model="qwen",
+            template="Rate [{prompt}]",
+            score_range=[0, 10],
+            image_format="jpeg",
+            image_size=24,
+            system_prompt="You are a judge.",
+            extra_body={"top_k": 1},
+            max_concurrency=1,
+            parse_failure_score=-1.0,
+        )
         out = reward(images(4), ["p0", "p1", "p2", "p3"])
     assert out["vlm"].tolist() == pytest.approx(
         [0.8, 0.7, -1.0, -1.0]
@@ -151,8 +167,11 @@ def test_yes_no_from_top_logprobs_then_from_text():
     def answer(body, state):
         prompt = prompt_of(body)
         if prompt == "logprobs":  # P(yes) = (0.6 + 0.1) / (0.6 + 0.1 + 0.2): both spellings of yes count
-            return 200, chat_reply("Yes", [{"token": "\n", "logprob": -0.01}] + first_token(
-                ("Yes", 0.6), ("No", 0.2), (" yes", 0.1), ("Maybe", 0.05)))  # fmt: skip
+            return 200, chat_reply(
+                "Yes",
+                [{"token": "\n", "logprob": -0.01}]
+                + first_token(("Yes", 0.6), ("No", 0.2), (" yes", 0.1), ("Maybe", 0.05)),
+            )
         if prompt == "text only":  # a server that returns no log-probs: the text decides
             return 200, chat_reply("No, it does not.")
         if prompt == "neither":  # no yes/no among the alternatives, nor in the text
@@ -220,8 +239,9 @@ def test_retries_on_5xx_and_429_then_gives_up_naming_url_and_status(caplog):
     assert "HTTP 503: engine busy" in caplog.text and "HTTP 429: rate limited" in caplog.text
 
     with fake_judge(lambda body, state: (500, {"object": "error", "message": "CUDA out of memory"})) as (url, state):
-        reward = build_reward([{"name": "vlm", "url": url, "model": "m", "template": "n {prompt}", "retries": 1,
-                                "backoff": 0.01}])  # fmt: skip
+        reward = build_reward(
+            [{"name": "vlm", "url": url, "model": "m", "template": "n {prompt}", "retries": 1, "backoff": 0.01}]
+        )
         with pytest.raises(RewardError, match=r"no answer after 2 attempt\(s\).*HTTP 500: CUDA out of memory") as info:
             reward(images(1), ["a"])
     assert len(state["bodies"]) == 2 and f"vlm judge at {url}:" in str(info.value)

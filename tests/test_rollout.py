@@ -17,9 +17,10 @@ SIZE = 32
 GUIDANCE = {"sd3": 4.5, "flux": 3.5, "qwenimage": 4.0}  # SD3 with CFG, FLUX its guidance embedding, Qwen true CFG
 # The same guidance as pipe() takes it (Qwen-Image: true_cfg_scale, with the adapter's negative prompt, "").
 PIPE_GUIDANCE = {
-    "sd3": {"guidance_scale": 4.5}, "flux": {"guidance_scale": 3.5},
+    "sd3": {"guidance_scale": 4.5},
+    "flux": {"guidance_scale": 3.5},
     "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": ""},
-}  # fmt: skip
+}
 PROMPTS = ['a sign that says "hello"', "a red cube", "a red cube", "a blue ball"]
 
 
@@ -37,12 +38,18 @@ def test_noise_free_rollout_reproduces_pipe(kind, steps):
     adapter = _adapter(kind)
     latents = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, generator=torch.Generator().manual_seed(0))
     expected = adapter.pipe(
-        prompt=PROMPTS, latents=latents.clone(), num_inference_steps=steps, **PIPE_GUIDANCE[kind],
-        height=SIZE, width=SIZE, output_type="pt",
-    ).images  # fmt: skip
+        prompt=PROMPTS,
+        latents=latents.clone(),
+        num_inference_steps=steps,
+        **PIPE_GUIDANCE[kind],
+        height=SIZE,
+        width=SIZE,
+        output_type="pt",
+    ).images
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=GUIDANCE[kind])
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, steps - 1), height=SIZE, width=SIZE,
-                   initial_latents=latents)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, steps - 1), height=SIZE, width=SIZE, initial_latents=latents
+    )
     assert traj.images.shape == (len(PROMPTS), 3, SIZE, SIZE)
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
 
@@ -61,8 +68,9 @@ def test_noise_free_rollout_reproduces_pipe(kind, steps):
 def test_rescoring_the_stored_trajectory_gives_ratio_exactly_one(kind, sampler_kwargs):
     adapter = _adapter(kind)
     sampler = SamplerConfig(**{"noise_level": 0.7, "num_steps": 6, "guidance_scale": GUIDANCE[kind], **sampler_kwargs})
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(1, 4), torch.Generator().manual_seed(1),
-                   height=SIZE, width=SIZE)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1, 2], sampler, range(1, 4), torch.Generator().manual_seed(1), height=SIZE, width=SIZE
+    )
     assert traj.num_trained_steps == 3 and traj.log_probs.shape == (4, 3)
     assert torch.isfinite(traj.log_probs).all()
     for j in range(traj.num_trained_steps):
@@ -83,12 +91,23 @@ def test_text_encoders_run_once_per_unique_prompt(kind):
     encoders = [m for m in (getattr(pipe, name, None) for name in names) if m]
     rows = {id(e): [] for e in encoders}
     for encoder in encoders:
-        encoder.register_forward_hook(lambda mod, args, kwargs, out: rows[id(mod)].append(
-            (args[0] if args else kwargs["input_ids"]).shape[0]), with_kwargs=True)  # fmt: skip
+        encoder.register_forward_hook(
+            lambda mod, args, kwargs, out: rows[id(mod)].append((args[0] if args else kwargs["input_ids"]).shape[0]),
+            with_kwargs=True,
+        )
     sampler = SamplerConfig(num_steps=3, guidance_scale=GUIDANCE[kind])
     for epoch in range(2):
-        rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 1), torch.Generator().manual_seed(epoch),
-                height=SIZE, width=SIZE, decode=False)  # fmt: skip
+        rollout(
+            adapter,
+            PROMPTS,
+            [0, 1, 1, 2],
+            sampler,
+            range(0, 1),
+            torch.Generator().manual_seed(epoch),
+            height=SIZE,
+            width=SIZE,
+            decode=False,
+        )
     unique = len(set(PROMPTS)) + adapter.needs_negative(GUIDANCE[kind])  # CFG adds the (empty) negative prompt
     for encoder in encoders:
         assert rows[id(encoder)] == [unique], (type(encoder).__name__, rows[id(encoder)])
@@ -107,10 +126,12 @@ def test_window_stores_exactly_its_steps_and_mixgrpo_flash_compresses_the_tail(k
         (range(2, 5), "dpmpp_2m", 0.4, 5 + max(int((steps - 5) * 0.4), 1)),
     ]:
         calls.clear()
-        sampler = SamplerConfig(num_steps=steps, guidance_scale=GUIDANCE[kind],
-                                post_window=PostWindowConfig(solver=solver, ratio=ratio))  # fmt: skip
-        traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0),
-                       height=SIZE, width=SIZE)  # fmt: skip
+        sampler = SamplerConfig(
+            num_steps=steps, guidance_scale=GUIDANCE[kind], post_window=PostWindowConfig(solver=solver, ratio=ratio)
+        )
+        traj = rollout(
+            adapter, PROMPTS[:2], [0, 0], sampler, window, torch.Generator().manual_seed(0), height=SIZE, width=SIZE
+        )
         assert traj.num_trained_steps == len(window) == traj.latents.shape[1] == traj.next_latents.shape[1]
         assert traj.step_indices.tolist() == [list(window)] * 2
         assert len(calls) == expected_calls
@@ -122,13 +143,27 @@ def test_window_stores_exactly_its_steps_and_mixgrpo_flash_compresses_the_tail(k
 
 def test_shared_initial_noise_within_groups_across_batches(kind):
     adapter = _adapter(kind)
-    noise = adapter.initial_noise(4, SIZE, SIZE, generator=torch.Generator().manual_seed(0),
-                                  group_ids=[5, 5, 9, 9], same_within_group=True, noise_seed=3)  # fmt: skip
+    noise = adapter.initial_noise(
+        4,
+        SIZE,
+        SIZE,
+        generator=torch.Generator().manual_seed(0),
+        group_ids=[5, 5, 9, 9],
+        same_within_group=True,
+        noise_seed=3,
+    )
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])
     assert not torch.equal(noise[0], noise[2])
     # Another batch (or another process) holding copies of group 9 draws the same noise for them.
-    other = adapter.initial_noise(2, SIZE, SIZE, generator=torch.Generator().manual_seed(1), group_ids=[9, 7],
-                                  same_within_group=True, noise_seed=3)  # fmt: skip
+    other = adapter.initial_noise(
+        2,
+        SIZE,
+        SIZE,
+        generator=torch.Generator().manual_seed(1),
+        group_ids=[9, 7],
+        same_within_group=True,
+        noise_seed=3,
+    )
     assert torch.equal(other[0], noise[2])
     reseeded = adapter.initial_noise(1, SIZE, SIZE, group_ids=[9], same_within_group=True, noise_seed=4)
     assert not torch.equal(reseeded[0], noise[2])
@@ -137,8 +172,9 @@ def test_shared_initial_noise_within_groups_across_batches(kind):
 def test_lora_trains_only_adapter_weights_and_disabled_adapter_is_the_base_model(kind):
     adapter = _adapter(kind)
     sampler = SamplerConfig(num_steps=4, guidance_scale=GUIDANCE[kind])
-    traj = rollout(adapter, PROMPTS[:2], [0, 0], sampler, range(0, 3), torch.Generator().manual_seed(0),
-                   height=SIZE, width=SIZE)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS[:2], [0, 0], sampler, range(0, 3), torch.Generator().manual_seed(0), height=SIZE, width=SIZE
+    )
     x, t = traj.latents[:, 1], traj.sigmas[:, 1]
     with torch.no_grad():
         base = adapter.velocity(x, t, traj.embeds, traj.guidance_scale)
@@ -220,8 +256,9 @@ def test_bad_inputs_raise_clear_errors():
 def test_per_sample_shuffled_steps_rescore_exactly(kind):
     adapter = _adapter(kind)
     sampler = SamplerConfig(noise_level=0.7, num_steps=6, guidance_scale=GUIDANCE[kind])
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 5), torch.Generator().manual_seed(2),
-                   height=SIZE, width=SIZE)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 5), torch.Generator().manual_seed(2), height=SIZE, width=SIZE
+    )
     steps = torch.tensor([4, 0, 2, 1])
     with torch.no_grad():
         again = evaluate_transitions(adapter, traj, steps, sampler)
@@ -238,8 +275,9 @@ def test_bf16_weights_fp32_vae_and_exact_rescoring():
     assert adapter.dtype == torch.bfloat16 and adapter.vae.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in adapter.trainable_parameters())  # LoRA trains in fp32
     sampler = SamplerConfig(noise_level=0.7, num_steps=4, guidance_scale=4.5)
-    traj = rollout(adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 3), torch.Generator().manual_seed(0),
-                   height=SIZE, width=SIZE)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 3), torch.Generator().manual_seed(0), height=SIZE, width=SIZE
+    )
     assert traj.latents.dtype == torch.bfloat16 and traj.log_probs.dtype == torch.float32
     assert torch.isfinite(traj.images).all() and traj.images.dtype == torch.float32
     with torch.no_grad():
@@ -260,14 +298,30 @@ def test_flux_without_guidance_embedding_like_schnell_matches_pipe_and_rescores_
     sigmas, _ = adapter.schedule(4, SIZE, SIZE)
     assert sigmas.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
     latents = adapter.initial_noise(2, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
-    expected = pipe(prompt=PROMPTS[:2], latents=latents.clone(), num_inference_steps=4, guidance_scale=0.0,
-                    height=SIZE, width=SIZE, output_type="pt").images  # fmt: skip
-    traj = rollout(adapter, PROMPTS[:2], [0, 1], SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=0.0),
-                   range(0, 3), height=SIZE, width=SIZE, initial_latents=latents)  # fmt: skip
+    expected = pipe(
+        prompt=PROMPTS[:2],
+        latents=latents.clone(),
+        num_inference_steps=4,
+        guidance_scale=0.0,
+        height=SIZE,
+        width=SIZE,
+        output_type="pt",
+    ).images
+    traj = rollout(
+        adapter,
+        PROMPTS[:2],
+        [0, 1],
+        SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=0.0),
+        range(0, 3),
+        height=SIZE,
+        width=SIZE,
+        initial_latents=latents,
+    )
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
     sampler = SamplerConfig(noise_level=0.9, num_steps=4, guidance_scale=0.0)
-    traj = rollout(adapter, PROMPTS[:2], [0, 1], sampler, range(0, 3), torch.Generator().manual_seed(1),
-                   height=SIZE, width=SIZE)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS[:2], [0, 1], sampler, range(0, 3), torch.Generator().manual_seed(1), height=SIZE, width=SIZE
+    )
     for j in range(3):
         with torch.no_grad():
             assert torch.equal(evaluate_transitions(adapter, traj, j, sampler).log_prob, traj.log_probs[:, j])
@@ -290,10 +344,19 @@ def test_a_step_kind_registered_in_a_test_file_samples_rescores_and_validates():
         common = {"noise_level": 0.3, "num_steps": 5, "guidance_scale": GUIDANCE["sd3"]}
         sampler = SamplerConfig(kind="test_dance", **common)
         trajectories = [
-            rollout(adapter, PROMPTS, [0, 1, 1, 2], s, range(1, 3), torch.Generator().manual_seed(1), height=SIZE,
-                    width=SIZE, decode=False)
+            rollout(
+                adapter,
+                PROMPTS,
+                [0, 1, 1, 2],
+                s,
+                range(1, 3),
+                torch.Generator().manual_seed(1),
+                height=SIZE,
+                width=SIZE,
+                decode=False,
+            )
             for s in (sampler, SamplerConfig(kind="euler_maruyama", diffusion="dance", **common))
-        ]  # fmt: skip
+        ]
         traj, reference = trajectories
         assert torch.equal(traj.log_probs, reference.log_probs)
         assert torch.equal(traj.final_latents, reference.final_latents)
@@ -337,9 +400,12 @@ def test_the_plan_refuses_bad_options_before_any_network_call():
         (SamplerConfig(num_steps=6), range(0, 4, 2), "consecutive"),
         (SamplerConfig(num_steps=6, kind="ddim"), range(0, 2), "euler_maruyama, cps, langevin"),
         (SamplerConfig(num_steps=6, post_window=PostWindowConfig(solver="rk4")), range(0, 2), "euler, dpmpp_2m"),
-        (SamplerConfig(num_steps=6, last_step="sde", post_window=PostWindowConfig(solver="dpmpp_2m")), range(0, 2),
-         "last_step='sde'"),
-    ]:  # fmt: skip
+        (
+            SamplerConfig(num_steps=6, last_step="sde", post_window=PostWindowConfig(solver="dpmpp_2m")),
+            range(0, 2),
+            "last_step='sde'",
+        ),
+    ]:
         with pytest.raises(ValueError, match=match):
             plan_rollout(sampler, window, sigmas)
     plan_rollout(SamplerConfig(num_steps=6, kind="ddim"), range(0, 0), sigmas)  # no SDE step: the kind is unused

@@ -346,8 +346,20 @@ def test_a_step_kind_registered_in_a_test_file_is_dispatched_by_sde_step():
     try:
         assert "test_noisy_euler" in SDE_KINDS  # a live view: config validation accepts it while registered
         # Options it does not take (diffusion, kappa, velocity_fn...) are not passed to it.
-        got = sde_step("test_noisy_euler", v, x, 0.6, 0.4, noise_level=0.5, noise=z, diffusion="dance", kappa=0.1,
-                       t_second=0.9, velocity_fn=velocity, reduce="sum")  # fmt: skip
+        got = sde_step(
+            "test_noisy_euler",
+            v,
+            x,
+            0.6,
+            0.4,
+            noise_level=0.5,
+            noise=z,
+            diffusion="dance",
+            kappa=0.1,
+            t_second=0.9,
+            velocity_fn=velocity,
+            reduce="sum",
+        )
         direct = noisy_euler_step(v, x, 0.6, 0.4, noise_level=0.5, noise=z, reduce="sum")
         assert torch.equal(got.sample, direct.sample) and torch.equal(got.log_prob, direct.log_prob)
         again = sde_step("test_noisy_euler", v, x, 0.6, 0.4, noise_level=0.5, prev_sample=got.sample, reduce="sum")

@@ -21,14 +21,30 @@ def test_every_prompt_parses_back_to_its_spec_and_the_tags_have_the_documented_s
     specs = all_specs()
     assert [parse_prompt(s.prompt) for s in specs] == specs
     sizes = {tag: sum(s.tag == tag for s in specs) for tag in TAGS}
-    assert sizes == {"single_object": 3, "colors": 12, "counting": 24, "two_object": 6, "color_attr": 72,
-                     "position": 432}  # fmt: skip
+    assert sizes == {
+        "single_object": 3,
+        "colors": 12,
+        "counting": 24,
+        "two_object": 6,
+        "color_attr": 72,
+        "position": 432,
+    }
     assert len({s.prompt for s in specs}) == len(specs)
 
 
-@pytest.mark.parametrize("prompt", ["a purple circle", "a red circles", "two circles", "three red circle",
-                                    "a red circle and a square", "a red circle left of a red square",
-                                    "draw a red circle", ""])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "a purple circle",
+        "a red circles",
+        "two circles",
+        "three red circle",
+        "a red circle and a square",
+        "a red circle left of a red square",
+        "draw a red circle",
+        "",
+    ],
+)
 def test_prompts_outside_the_grammar_are_refused_by_name(prompt):
     with pytest.raises(PromptGrammarError, match="shapes: "):
         parse_prompt(prompt)
@@ -164,10 +180,15 @@ def test_the_tokenizer_vocabulary_is_the_same_in_every_process():
     code = "from flowgrpo.shapes_model import _word_bpe; print(repr(_word_bpe()))"
     # Side by side: each process spends its time importing torch and diffusers.
     processes = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1"})
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1"},
+        )
         for seed in (1, 2, 3)
-    ]  # fmt: skip
+    ]
     results = [p.communicate(timeout=600) for p in processes]
     assert all(p.returncode == 0 for p in processes), [err for _, err in results]
     assert {out.strip() for out, _ in results} == {repr(_word_bpe())}

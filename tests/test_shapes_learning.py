@@ -22,11 +22,19 @@ def test_short_grpo_runs_on_the_shipped_model_raise_the_held_out_reward(tmp_path
     write_prompt_file(tmp_path / "test.jsonl", round_robin(balanced_prompts(test, 16, 1)))
     epochs, gains = 8, []
     for seed in (0, 1):
-        config = load_config(ROOT / "configs" / "shapes.yaml", [
-            f"run.output_dir={tmp_path / str(seed)}", "run.progress=false", f"run.epochs={epochs}", f"run.seed={seed}",
-            f"eval.every={epochs}", f"data.train={tmp_path / 'train.jsonl'}", f"data.test={tmp_path / 'test.jsonl'}",
-            "grpo.groups_per_epoch=8",
-        ])  # fmt: skip
+        config = load_config(
+            ROOT / "configs" / "shapes.yaml",
+            [
+                f"run.output_dir={tmp_path / str(seed)}",
+                "run.progress=false",
+                f"run.epochs={epochs}",
+                f"run.seed={seed}",
+                f"eval.every={epochs}",
+                f"data.train={tmp_path / 'train.jsonl'}",
+                f"data.test={tmp_path / 'test.jsonl'}",
+                "grpo.groups_per_epoch=8",
+            ],
+        )
         trainer = GRPOTrainer(config)
         trainer.fit()
         rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

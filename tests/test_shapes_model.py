@@ -30,8 +30,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def test_the_shipped_model_opens_in_plain_diffusers_and_samples():
     pipe = DiffusionPipeline.from_pretrained(SHAPES_MODEL_DIR, text_encoder_3=None, tokenizer_3=None)
     assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.vae_scale_factor == 4
-    out = pipe("a red circle", num_inference_steps=4, max_sequence_length=TEXT_LENGTH, output_type="pt",
-               generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+    out = pipe(
+        "a red circle",
+        num_inference_steps=4,
+        max_sequence_length=TEXT_LENGTH,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert out.shape == (1, 3, 32, 32) and 0 <= out.min() and out.max() <= 1
     record = json.loads((SHAPES_MODEL_DIR / "pretraining.json").read_text())
     assert record["command"].startswith("python scripts/pretrain_shapes.py") and record["eval"]
@@ -44,16 +49,44 @@ def test_a_noise_free_rollout_of_the_shipped_model_reproduces_pipe():
     latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     sampler = SamplerConfig(noise_level=0.0, num_steps=6, guidance_scale=4.5)
     traj = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents)
-    expected = pipe(prompts, latents=latents, num_inference_steps=6, guidance_scale=4.5,
-                    max_sequence_length=TEXT_LENGTH, output_type="pt").images  # fmt: skip
+    expected = pipe(
+        prompts,
+        latents=latents,
+        num_inference_steps=6,
+        guidance_scale=4.5,
+        max_sequence_length=TEXT_LENGTH,
+        output_type="pt",
+    ).images
     torch.testing.assert_close(traj.images, expected, atol=1e-5, rtol=0)
 
 
 def _argv(tmp_path: Path, name: str, *extra: str) -> list[str]:
     """2 autoencoder steps, then 4 transformer steps, checkpoints after every step."""
-    return ["--vae-steps", "2", "--vae-batch-size", "4", "--steps", "4", "--batch-size", "4", "--warmup", "2",
-            "--work", str(tmp_path / name), "--out", str(tmp_path / f"{name}-model"), "--checkpoint-every", "1",
-            "--eval-every", "100", "--eval-per-tag", "1", "--eval-steps", "2", *extra]  # fmt: skip
+    return [
+        "--vae-steps",
+        "2",
+        "--vae-batch-size",
+        "4",
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--warmup",
+        "2",
+        "--work",
+        str(tmp_path / name),
+        "--out",
+        str(tmp_path / f"{name}-model"),
+        "--checkpoint-every",
+        "1",
+        "--eval-every",
+        "100",
+        "--eval-per-tag",
+        "1",
+        "--eval-steps",
+        "2",
+        *extra,
+    ]
 
 
 def _pretrain(tmp_path: Path, name: str, stop_after: int) -> dict[str, torch.Tensor]:

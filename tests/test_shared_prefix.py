@@ -28,8 +28,17 @@ GUIDANCE = {"sd3": 4.5, "flux": 3.5}  # SD3 with CFG (two rows per image in a fo
 # Groups of 3, 2 and 1 images in one rollout batch, not sorted by id: U = 3 unique rows for B = 6.
 PROMPTS = ["a red cube", "a blue ball", "a red cube", "a green cone", "a blue ball", "a red cube"]
 GROUPS = [7, 2, 7, 5, 2, 7]
-STORED = ("latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices", "final_latents",
-          "images")  # fmt: skip
+STORED = (
+    "latents",
+    "next_latents",
+    "log_probs",
+    "stds",
+    "sigmas",
+    "sigmas_next",
+    "step_indices",
+    "final_latents",
+    "images",
+)
 WINDOWS = {  # k = window.start
     "k0": range(0, 2),
     "k1": range(1, 3),
@@ -45,8 +54,12 @@ def adapter(request):
 
 
 def _sampler(adapter, **kwargs) -> SamplerConfig:
-    base = {"noise_level": 0.7, "num_steps": STEPS, "guidance_scale": GUIDANCE[adapter.family],
-            "same_initial_noise": True}  # fmt: skip
+    base = {
+        "noise_level": 0.7,
+        "num_steps": STEPS,
+        "guidance_scale": GUIDANCE[adapter.family],
+        "same_initial_noise": True,
+    }
     return SamplerConfig(**{**base, **kwargs})
 
 
@@ -66,8 +79,17 @@ def _forward_rows(adapter):
 
 def _run(adapter, sampler, window, prompts=PROMPTS, groups=GROUPS, seed=1, **kwargs):
     with _forward_rows(adapter) as rows:
-        traj = rollout(adapter, prompts, groups, sampler, window, torch.Generator().manual_seed(seed), height=SIZE,
-                       width=SIZE, **kwargs)  # fmt: skip
+        traj = rollout(
+            adapter,
+            prompts,
+            groups,
+            sampler,
+            window,
+            torch.Generator().manual_seed(seed),
+            height=SIZE,
+            width=SIZE,
+            **kwargs,
+        )
     return traj, rows
 
 
@@ -156,8 +178,9 @@ def test_rows_are_checked_on_the_noise_not_the_group_ids(adapter, monkeypatch):
     assert rows[0] == cfg * 4
     # Noise drawn here that differs within a group would be a bug: refused rather than silently shared.
     real = adapter.initial_noise
-    monkeypatch.setattr(adapter, "initial_noise",
-                        lambda n, h, w, **kw: real(n, h, w, **{**kw, "same_within_group": False}))  # fmt: skip
+    monkeypatch.setattr(
+        adapter, "initial_noise", lambda n, h, w, **kw: real(n, h, w, **{**kw, "same_within_group": False})
+    )
     with pytest.raises(RuntimeError, match="different noise"):
         _run(adapter, sampler, window)
 
@@ -166,8 +189,9 @@ def test_recipe_options_share_the_prefix_too(adapter):
     """MixGRPO-Flash's tail (DPM-Solver++(2M) with the history carried from before the window, static time shift
     with integer timesteps) and Flow-GRPO's SDE last step."""
     window = WINDOWS["k_half"]
-    flash = _sampler(adapter, time_shift=3.0,
-                     post_window=PostWindowConfig(solver="dpmpp_2m", ratio=0.5, carry_history=True))  # fmt: skip
+    flash = _sampler(
+        adapter, time_shift=3.0, post_window=PostWindowConfig(solver="dpmpp_2m", ratio=0.5, carry_history=True)
+    )
     for sampler in (flash, _sampler(adapter, last_step="sde")):
         shared, rows = _run(adapter, sampler, window)
         alone, rows_alone = _run(adapter, replace(sampler, shared_prefix=False), window)

@@ -32,17 +32,29 @@ def _changed(trainer, base):
     lora = [n for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad]
     frozen = [n for n, p in trainer.adapter.transformer.named_parameters() if not p.requires_grad]
     params = dict(trainer.adapter.transformer.named_parameters())
-    return (any(not torch.equal(params[n], base[n]) for n in lora),
-            all(torch.equal(params[n], base[n]) for n in frozen))  # fmt: skip
+    return (
+        any(not torch.equal(params[n], base[n]) for n in lora),
+        all(torch.equal(params[n], base[n]) for n in frozen),
+    )
 
 
 def test_tiny_sd3_run_with_kl_window_flash_tail_per_reward_ema(tmp_path):
     trainer, base, rows = _train(
-        tmp_path, "run.epochs=3", "grpo.kl.beta=0.04", "sampler.window.size=3", "sampler.window.shift_interval=1",
-        "sampler.post_window.solver=dpmpp_2m", "sampler.post_window.ratio=0.5", "rewards={brightness: 1.0, "
-        "jpeg_compressibility: 0.01}", "grpo.advantage.per_reward=true", "train.ema=0.9",
-        "train.gradient_accumulation=2", "train.batch_size=8", "grpo.shuffle_timesteps=false", "eval.every=0",
-    )  # fmt: skip
+        tmp_path,
+        "run.epochs=3",
+        "grpo.kl.beta=0.04",
+        "sampler.window.size=3",
+        "sampler.window.shift_interval=1",
+        "sampler.post_window.solver=dpmpp_2m",
+        "sampler.post_window.ratio=0.5",
+        "rewards={brightness: 1.0, jpeg_compressibility: 0.01}",
+        "grpo.advantage.per_reward=true",
+        "train.ema=0.9",
+        "train.gradient_accumulation=2",
+        "train.batch_size=8",
+        "grpo.shuffle_timesteps=false",
+        "eval.every=0",
+    )
     assert len(rows) == 3
     assert [r["window/start"] for r in rows] == [0, 1, 2] and [r["window/size"] for r in rows] == [3, 3, 3]
     for r in rows:
@@ -61,10 +73,18 @@ def test_tiny_sd3_run_with_kl_window_flash_tail_per_reward_ema(tmp_path):
 
 def test_tiny_flux_run_guidance_free_langevin_random_window(tmp_path):
     trainer, base, rows = _train(
-        tmp_path, "model.pretrained=tiny-flux", "sampler.guidance_scale=3.5", "sampler.kind=langevin",
-        "sampler.score_eval=reeval", "sampler.noise_level=0.9", "sampler.window.size=2",
-        "sampler.window.strategy=random", "grpo.advantage.std=global", "run.epochs=2", "eval.every=0",
-    )  # fmt: skip
+        tmp_path,
+        "model.pretrained=tiny-flux",
+        "sampler.guidance_scale=3.5",
+        "sampler.kind=langevin",
+        "sampler.score_eval=reeval",
+        "sampler.noise_level=0.9",
+        "sampler.window.size=2",
+        "sampler.window.strategy=random",
+        "grpo.advantage.std=global",
+        "run.epochs=2",
+        "eval.every=0",
+    )
     assert len(rows) == 2 and all(r["window/size"] == 2 for r in rows)
     assert all(r["train/onpolicy_ratio_dev"] == 0.0 for r in rows)  # shuffled per-sample timesteps, still exact
     lora_moved, frozen_kept = _changed(trainer, base)
@@ -73,7 +93,7 @@ def test_tiny_flux_run_guidance_free_langevin_random_window(tmp_path):
 
 @pytest.mark.slow
 def test_brightness_reward_rises_on_fixed_prompts(tmp_path):
-    """The README's main job: 30 epochs on tiny SD3 make every test image brighter (ODE, fixed noise)."""
+    """The tiny learning check: 30 epochs on tiny SD3 make every test image brighter (ODE, fixed noise)."""
     trainer, _, rows = _train(tmp_path, "eval.every=30")
     before = json.loads((trainer.run_dir / "eval" / "epoch00000.json").read_text())
     after = json.loads((trainer.run_dir / "eval" / "epoch00030.json").read_text())
@@ -87,8 +107,9 @@ def test_brightness_reward_rises_on_fixed_prompts(tmp_path):
 
 def _cli(*args, cwd=ROOT, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "scripts/train.py", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize(
@@ -114,8 +135,9 @@ def test_nonfinite_rewards_drop_their_groups_or_stop_clearly(tmp_path):
 
     spec = "rewards={nan_reward_helper:NanForCats: 1.0}"
     # 8 prompts, 4 groups per epoch drawn without replacement: over 3 epochs the cat prompt shows up.
-    trainer, _, rows = _train(tmp_path, spec, "grpo.nan_policy=drop", "run.epochs=3", "eval.every=0",
-                              "run.debug_dump=true")  # fmt: skip
+    trainer, _, rows = _train(
+        tmp_path, spec, "grpo.nan_policy=drop", "run.epochs=3", "eval.every=0", "run.debug_dump=true"
+    )
     dropped = [r["reward/dropped_groups"] for r in rows]
     assert sum(dropped) >= 1 and all(d <= 1 for d in dropped)
     for epoch in range(3):

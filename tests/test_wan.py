@@ -49,13 +49,15 @@ def test_noise_free_rollout_reproduces_pipe(steps, cfg, height, width, frames):
     adapter = _adapter(euler=True, num_frames=frames)
     latents = adapter.initial_noise(len(PROMPTS), height, width, generator=torch.Generator().manual_seed(0))
     assert latents.shape == (3, 4, (frames - 1) // 4 + 1, height // 4, width // 4)  # [B, C, F', H/4, W/4]
-    call = dict(prompt=PROMPTS, guidance_scale=cfg, num_inference_steps=steps, height=height, width=width,
-                num_frames=frames)  # fmt: skip
+    call = dict(
+        prompt=PROMPTS, guidance_scale=cfg, num_inference_steps=steps, height=height, width=width, num_frames=frames
+    )
     expected = adapter.pipe(**call, latents=latents.clone(), output_type="pt").frames
     expected_latents = adapter.pipe(**call, latents=latents.clone(), output_type="latent").frames
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=cfg)
-    traj = rollout(adapter, PROMPTS, [0, 1, 1], sampler, range(0, steps - 1), height=height, width=width,
-                   initial_latents=latents)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1], sampler, range(0, steps - 1), height=height, width=width, initial_latents=latents
+    )
     assert traj.images.shape == (3, frames, 3, height, width)  # clips [B, F, 3, H, W]
     torch.testing.assert_close(traj.final_latents, expected_latents, rtol=0, atol=1e-5)
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
@@ -76,8 +78,9 @@ def test_unipc_checkpoints_step_on_their_flow_sigmas_and_integer_timesteps():
     assert timesteps.dtype == torch.int64 and sigmas[-1] == 0
     latents = adapter.initial_noise(3, 32, 32, generator=torch.Generator().manual_seed(2))
     sampler = SamplerConfig(noise_level=0.0, num_steps=steps, guidance_scale=cfg)
-    traj = rollout(adapter, PROMPTS, [0, 1, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents,
-                   decode=False)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents, decode=False
+    )
     # By hand: pipe()'s CFG on the transformer fed the scheduler's integer timesteps, x + (σ' - σ) v.
     pipe = adapter.pipe
     text, _ = pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=512)  # pipe()'s
@@ -107,8 +110,9 @@ def test_unipc_checkpoints_step_on_their_flow_sigmas_and_integer_timesteps():
 def test_rescoring_the_stored_trajectory_gives_ratio_exactly_one(sampler_kwargs):
     adapter = _adapter()
     sampler = SamplerConfig(**{"noise_level": 0.7, "num_steps": 5, "guidance_scale": 4.5, **sampler_kwargs})
-    traj = rollout(adapter, PROMPTS, [0, 1, 1], sampler, range(1, 3), torch.Generator().manual_seed(1),
-                   height=32, width=32)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS, [0, 1, 1], sampler, range(1, 3), torch.Generator().manual_seed(1), height=32, width=32
+    )
     assert traj.latents.shape == (3, 2, 4, 2, 8, 8)  # [B, W, C, F', h, w]: the frame axis is part of the latents
     assert torch.isfinite(traj.log_probs).all() and (traj.stds > 0).all()
     for j in range(traj.num_trained_steps):
@@ -126,8 +130,9 @@ def test_flowgrpo_wan_diffusion_is_the_reference_step():
     generator = torch.Generator().manual_seed(0)
     x, v, prev = (torch.randn(2, 4, 3, 4, 4, generator=generator) for _ in range(3))
     sigma, sigma_next, sigma_max = 0.75, 0.5, 0.9
-    step = euler_maruyama_step(v, x, sigma, sigma_next, noise_level=1.0, diffusion="flowgrpo_wan",
-                               t_second=sigma_max, prev_sample=prev)  # fmt: skip
+    step = euler_maruyama_step(
+        v, x, sigma, sigma_next, noise_level=1.0, diffusion="flowgrpo_wan", t_second=sigma_max, prev_sample=prev
+    )
     dt = torch.tensor(sigma_next - sigma)
     std_dev_t = sigma_max * sigma
     mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
@@ -185,8 +190,9 @@ def test_image_rewards_score_videos_by_frames_and_clip_rewards_get_the_clip():
     picked = per_frame[:, ::2]  # frames 0, 2, 4; clip 1's frame 2 scores 0 and is left out
     expected = torch.stack([picked[0].mean(), picked[1, [0, 2]].mean()]).float()
     torch.testing.assert_close(build_reward(spec)(videos, prompts)["brightness"], expected)
-    torch.testing.assert_close(FrameReward(Brightness(), reduce="min")(videos, prompts)["brightness"],
-                               per_frame.min(dim=1).values.float())  # fmt: skip
+    torch.testing.assert_close(
+        FrameReward(Brightness(), reduce="min")(videos, prompts)["brightness"], per_frame.min(dim=1).values.float()
+    )
     with pytest.raises(ValueError, match="frames: unknown option"):
         build_reward([{"name": "brightness", "frames": {"stride": 2}}])
     with pytest.raises(ValueError, match="frames.reduce must be one of"):
@@ -259,8 +265,13 @@ def test_one_epoch_on_video_then_export_matches_plain_diffusers(tmp_path):
     base = tmp_path / "base"
     assert script.main([str(base), "--kind", "wan"]) == 0  # scripts/make_tiny_pipeline.py --kind wan
     assert detect_kind(str(base)) == "wan" and pipeline_kind(load_pipeline("tiny-wan", dtype="fp32")) == "wan"
-    overrides = [f"model.pretrained={base}", f"run.output_dir={tmp_path / 'runs'}", "run.epochs=1",
-                 "run.progress=false", "train.lr=5e-2"]  # fmt: skip
+    overrides = [
+        f"model.pretrained={base}",
+        f"run.output_dir={tmp_path / 'runs'}",
+        "run.epochs=1",
+        "run.progress=false",
+        "train.lr=5e-2",
+    ]
     trainer = GRPOTrainer(load_config(TINY, overrides))
     trainer.fit()
     rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -282,8 +293,9 @@ def test_one_epoch_on_video_then_export_matches_plain_diffusers(tmp_path):
     sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
     ours = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents).images
 
-    videos = run_plain_diffusers(PLAIN_DIFFUSERS, base, tmp_path / "lora", tmp_path / "merged", latents, prompts,
-                                tmp_path)  # fmt: skip
+    videos = run_plain_diffusers(
+        PLAIN_DIFFUSERS, base, tmp_path / "lora", tmp_path / "merged", latents, prompts, tmp_path
+    )
     assert (videos["base"] - ours).abs().max() > 1e-3  # the adapter really changes the clips
     torch.testing.assert_close(videos["lora"], ours, rtol=0, atol=1e-5)
     torch.testing.assert_close(videos["merged"], ours, rtol=0, atol=1e-4)
@@ -295,8 +307,9 @@ def test_latents_stay_float32_under_a_bf16_model_and_a_nonzero_last_sigma_is_ref
     pipe = build_tiny_pipeline("wan").to(torch.bfloat16)
     adapter = make_adapter(pipe, num_frames=5)
     sampler = SamplerConfig(noise_level=0.7, num_steps=3, guidance_scale=1.0)
-    traj = rollout(adapter, PROMPTS[:2], [0, 1], sampler, range(0, 2), torch.Generator().manual_seed(0),
-                   height=16, width=16)  # fmt: skip
+    traj = rollout(
+        adapter, PROMPTS[:2], [0, 1], sampler, range(0, 2), torch.Generator().manual_seed(0), height=16, width=16
+    )
     assert adapter.dtype == torch.bfloat16
     assert traj.latents.dtype == traj.next_latents.dtype == traj.final_latents.dtype == torch.float32
     assert traj.latents.flatten(1).std(1).min() > 0.5  # the initial noise itself, not rounded to bf16

@@ -72,13 +72,29 @@ def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
         raise ValueError(unsupported_pipeline_message(pipe))
     if not spec.video and kwargs.pop("num_frames", None) is not None:
         videos = ", ".join(name for s in families() if s.video for name in s.pipeline_names)
-        raise ValueError(f"model.num_frames is for video pipelines ({videos}), but {type(pipe).__name__} generates "
-                         "images: set model.num_frames: null")  # fmt: skip
+        raise ValueError(
+            f"model.num_frames is for video pipelines ({videos}), but {type(pipe).__name__} generates "
+            "images: set model.num_frames: null"
+        )
     return spec.adapter(pipe, **kwargs)
 
 
 __all__ = [
-    "FamilySpec", "FluxAdapter", "FluxKontextAdapter", "PipelineAdapter", "PromptEmbeds",
-    "QwenImageAdapter", "QwenImageEditAdapter", "SD3Adapter", "WanAdapter", "available_families", "build_adapter",
-    "family", "family_of_pipeline", "make_adapter", "register_family", "unregister_family", "unwrap",
-]  # fmt: skip
+    "FamilySpec",
+    "FluxAdapter",
+    "FluxKontextAdapter",
+    "PipelineAdapter",
+    "PromptEmbeds",
+    "QwenImageAdapter",
+    "QwenImageEditAdapter",
+    "SD3Adapter",
+    "WanAdapter",
+    "available_families",
+    "build_adapter",
+    "family",
+    "family_of_pipeline",
+    "make_adapter",
+    "register_family",
+    "unregister_family",
+    "unwrap",
+]

@@ -71,8 +71,11 @@ class PromptEmbeds:
 
 # Token fields ([B, L, ...]) and the mask that says which of their positions are padding.
 _MASK_OF = {
-    "prompt_embeds": "mask", "mask": "mask", "negative_embeds": "negative_mask", "negative_mask": "negative_mask",
-}  # fmt: skip
+    "prompt_embeds": "mask",
+    "mask": "mask",
+    "negative_embeds": "negative_mask",
+    "negative_mask": "negative_mask",
+}
 _TOKEN_FIELDS = frozenset(_MASK_OF)
 
 
@@ -371,9 +374,13 @@ class PipelineAdapter:
         model = unwrap(self.transformer)
         model.requires_grad_(False)
         config = LoraConfig(
-            r=rank, lora_alpha=alpha, init_lora_weights=init, target_modules=targets, lora_dropout=dropout,
+            r=rank,
+            lora_alpha=alpha,
+            init_lora_weights=init,
+            target_modules=targets,
+            lora_dropout=dropout,
             exclude_modules=self.lora_exclude(model) or None,
-        )  # fmt: skip
+        )
         try:
             model.add_adapter(config)
         except ValueError as err:

@@ -17,10 +17,20 @@ class FluxAdapter(PipelineAdapter):
     uses_cfg = False
     # Attention on both streams plus the feed-forward layers (double and single blocks).
     default_lora_targets = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
-    )  # fmt: skip
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "proj_mlp",
+    )
 
     def __init__(self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512) -> None:
         super().__init__(pipe, negative_prompt=negative_prompt)
@@ -81,9 +91,15 @@ class FluxAdapter(PipelineAdapter):
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
         hidden, image_ids = self._image_tokens(latents, embeds)
         out = self.transformer(
-            hidden_states=hidden, timestep=timestep / 1000, guidance=guidance, pooled_projections=embeds.pooled,
-            encoder_hidden_states=embeds.prompt_embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False,
-        )[0]  # fmt: skip
+            hidden_states=hidden,
+            timestep=timestep / 1000,
+            guidance=guidance,
+            pooled_projections=embeds.pooled,
+            encoder_hidden_states=embeds.prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
         return out[:, : latents.shape[1]]  # the generated image's tokens (an editing family appends its source's)
 
     def _image_tokens(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, Tensor]:

@@ -27,10 +27,19 @@ class QwenImageAdapter(PipelineAdapter):
     # Flow-GRPO's Qwen-Image targets (train_qwenimage.py): joint attention on both streams and both streams' MLPs,
     # the Linear layers of QwenImageTransformer2DModel's blocks (its tensor-parallel plan lists the same twelve).
     default_lora_targets = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-    )  # fmt: skip
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    )
 
     def __init__(self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512) -> None:
         super().__init__(pipe, negative_prompt=negative_prompt)
@@ -92,9 +101,11 @@ class QwenImageAdapter(PipelineAdapter):
         n = len(prompts)
         negative_mask = torch.ones(negative.shape[0], dtype=torch.long, device=negative.device)
         return PromptEmbeds(
-            embeds, mask=mask, negative_embeds=negative.expand(n, *negative.shape),
+            embeds,
+            mask=mask,
+            negative_embeds=negative.expand(n, *negative.shape),
             negative_mask=negative_mask.expand(n, -1),
-        )  # fmt: skip
+        )
 
     def _cached(self, prompt: str) -> Tensor:
         embeds, length = self._cache[prompt]
@@ -148,9 +159,14 @@ class QwenImageAdapter(PipelineAdapter):
             if bool(mask.all()):
                 mask = None
         return self.transformer(
-            hidden_states=latents, timestep=timestep, guidance=None, encoder_hidden_states_mask=mask,
-            encoder_hidden_states=text, img_shapes=img_shapes, return_dict=False,
-        )[0]  # fmt: skip
+            hidden_states=latents,
+            timestep=timestep,
+            guidance=None,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=text,
+            img_shapes=img_shapes,
+            return_dict=False,
+        )[0]
 
     def _grid(self, length: int) -> tuple[int, int]:
         if length not in self._grids:
@@ -205,10 +221,14 @@ def _pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
     """``[L_i, D]`` rows -> (``[N, L, D]`` zero-padded to the longest, mask ``[N, L]`` long), as encode_prompt pads."""
     length = max(row.shape[0] for row in rows)
     embeds = torch.stack([torch.cat([row, row.new_zeros(length - row.shape[0], row.shape[1])]) for row in rows])
-    mask = torch.stack([
-        torch.cat([torch.ones(row.shape[0], dtype=torch.long), torch.zeros(length - row.shape[0], dtype=torch.long)])
-        for row in rows
-    ]).to(embeds.device)  # fmt: skip
+    mask = torch.stack(
+        [
+            torch.cat(
+                [torch.ones(row.shape[0], dtype=torch.long), torch.zeros(length - row.shape[0], dtype=torch.long)]
+            )
+            for row in rows
+        ]
+    ).to(embeds.device)
     return embeds, mask
 
 

@@ -128,8 +128,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         if missing:
             self.text_encoder_calls += 1
             shown = [self._source_image(open_image(s), height, width) for _, s in missing.values()]
-            embeds, mask = self.pipe.encode_prompt(prompt=[t for t, _ in missing.values()], image=shown,
-                                                   device=self.device)  # fmt: skip
+            embeds, mask = self.pipe.encode_prompt(
+                prompt=[t for t, _ in missing.values()], image=shown, device=self.device
+            )
             lengths = [embeds.shape[1]] * len(missing) if mask is None else mask.sum(dim=1).tolist()
             for i, pair in enumerate(missing):
                 self._pair_cache[pair] = embeds[i, : int(lengths[i])]

@@ -16,9 +16,15 @@ class SD3Adapter(PipelineAdapter):
     uses_cfg = True
     # Flow-GRPO's SD3 targets: joint attention on the image and text streams.
     default_lora_targets = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    )  # fmt: skip
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
 
     def __init__(self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 256) -> None:
         super().__init__(pipe, negative_prompt=negative_prompt)
@@ -40,9 +46,13 @@ class SD3Adapter(PipelineAdapter):
 
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
-        )  # fmt: skip
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
         return embeds, pooled
 
     def velocity(
@@ -67,9 +77,12 @@ class SD3Adapter(PipelineAdapter):
         else:
             hidden, pooled = embeds.prompt_embeds, embeds.pooled
         out = self.transformer(
-            hidden_states=latents, timestep=timestep, encoder_hidden_states=hidden, pooled_projections=pooled,
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=hidden,
+            pooled_projections=pooled,
             return_dict=False,
-        )[0]  # fmt: skip
+        )[0]
         if cfg:
             uncond, cond = out.chunk(2)
             out = uncond + guidance_scale * (cond - uncond)

@@ -88,9 +88,11 @@ class WanAdapter(PipelineAdapter):
         """(UMT5 embeddings [N, L, D] zero-padded after each prompt's tokens, an empty [N, 0]: Wan has no pooled
         embedding), from ``pipe.encode_prompt`` (its cleaning, ``max_sequence_length``)."""
         embeds, _ = self.pipe.encode_prompt(
-            prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
             device=self.device,
-        )  # fmt: skip
+        )
         return embeds, embeds.new_zeros(len(prompts), 0)
 
     @torch.no_grad()

@@ -13,6 +13,16 @@ from .base import (
 )
 from .group import STD_EPS, global_std, group_advantages, group_std, per_reward
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "STD_EPS", "AdvantageInputs", "available_advantage_estimators",
-           "compute_advantages", "get_advantage_estimator", "global_std", "group_advantages", "group_std",
-           "per_reward", "register_advantage_estimator"]  # fmt: skip
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "STD_EPS",
+    "AdvantageInputs",
+    "available_advantage_estimators",
+    "compute_advantages",
+    "get_advantage_estimator",
+    "global_std",
+    "group_advantages",
+    "group_std",
+    "per_reward",
+    "register_advantage_estimator",
+]

@@ -67,12 +67,15 @@ def compute_advantages(settings: Any, inputs: AdvantageInputs, keep: Tensor) -> 
     n = len(inputs.group_ids)
     if not keep.any():
         return torch.zeros(n)
-    kept = AdvantageInputs({k: v[keep] for k, v in inputs.scores.items()}, inputs.weights, inputs.group_ids[keep],
-                           inputs.num_steps)  # fmt: skip
+    kept = AdvantageInputs(
+        {k: v[keep] for k, v in inputs.scores.items()}, inputs.weights, inputs.group_ids[keep], inputs.num_steps
+    )
     values = estimator(kept, settings).float()
     if values.shape[0] != int(keep.sum()) or values.ndim not in (1, 2):
-        raise ValueError(f"advantage estimator {settings.estimator!r} returned shape {tuple(values.shape)} for "
-                         f"{int(keep.sum())} samples; expected [N] or [N, W]")  # fmt: skip
+        raise ValueError(
+            f"advantage estimator {settings.estimator!r} returned shape {tuple(values.shape)} for "
+            f"{int(keep.sum())} samples; expected [N] or [N, W]"
+        )
     out = torch.zeros((n, *values.shape[1:]))
     out[keep] = values
     return out

@@ -49,15 +49,17 @@ def group_advantages(
 def group_std(inputs: AdvantageInputs, settings: Any) -> Tensor:
     """Today's default (DanceGRPO, MixGRPO): the weighted total against its group's mean, over the group's unbiased
     std, clipped to ``±settings.clip``."""
-    return group_advantages(inputs.scores["total"], inputs.group_ids, std="group", clip=settings.clip,
-                            eps=settings.std_eps)  # fmt: skip
+    return group_advantages(
+        inputs.scores["total"], inputs.group_ids, std="group", clip=settings.clip, eps=settings.std_eps
+    )
 
 
 @register_advantage_estimator("global_std")
 def global_std(inputs: AdvantageInputs, settings: Any) -> Tensor:
     """Flow-GRPO's ``global_std=True``: the group's mean, but the population std of all the epoch's totals."""
-    return group_advantages(inputs.scores["total"], inputs.group_ids, std="global", clip=settings.clip,
-                            eps=settings.std_eps)  # fmt: skip
+    return group_advantages(
+        inputs.scores["total"], inputs.group_ids, std="global", clip=settings.clip, eps=settings.std_eps
+    )
 
 
 @register_advantage_estimator("per_reward")

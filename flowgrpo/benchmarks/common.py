@@ -67,13 +67,21 @@ def tiny_overrides(kind: str, resolution: int, steps: int, batch: int, **more: A
     """The tiny offline pipeline at a benchmark's size: LoRA r4, one rollout / training batch of ``batch`` images."""
     group = 4 if batch % 4 == 0 else batch
     return {
-        "model.pretrained": f"tiny-{kind}", "model.resolution": resolution, "model.lora.rank": 4,
-        "model.lora.alpha": 8, "sampler.num_steps": steps, "sampler.batch_size": batch,
-        "sampler.guidance_scale": 4.5 if kind == "sd3" else 3.5, "grpo.group_size": group,
-        "grpo.groups_per_epoch": batch // group, "train.batch_size": batch, "grpo.clip_range": 1e-2,
-        "rewards": {"brightness": 1.0}, "data.train": str(ROOT / "configs" / "prompts" / "tiny_train.txt"),
+        "model.pretrained": f"tiny-{kind}",
+        "model.resolution": resolution,
+        "model.lora.rank": 4,
+        "model.lora.alpha": 8,
+        "sampler.num_steps": steps,
+        "sampler.batch_size": batch,
+        "sampler.guidance_scale": 4.5 if kind == "sd3" else 3.5,
+        "grpo.group_size": group,
+        "grpo.groups_per_epoch": batch // group,
+        "train.batch_size": batch,
+        "grpo.clip_range": 1e-2,
+        "rewards": {"brightness": 1.0},
+        "data.train": str(ROOT / "configs" / "prompts" / "tiny_train.txt"),
         **more,
-    }  # fmt: skip
+    }
 
 
 def prompts(n: int) -> list[str]:
@@ -139,11 +147,16 @@ def machine() -> dict[str, Any]:
         pass
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info = {
-        "cpu": cpu, "cores": os.cpu_count(), "usable_cores": affinity, "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }  # fmt: skip
+    }
     return info
 
 
@@ -157,8 +170,9 @@ def parse(
     prog: str, doc: str | None, add: Callable[[argparse.ArgumentParser], None], argv: list[str]
 ) -> argparse.Namespace:
     """The benchmark's options plus ``--json PATH`` and ``--device``."""
-    parser = argparse.ArgumentParser(prog=f"bench.py {prog}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog=f"bench.py {prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add(parser)
     if not any(a.dest == "device" for a in parser._actions):
         parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -30,8 +30,17 @@ from flowgrpo.phases import PHASES
 from rewards import AsyncReward
 
 CONFIGS = "configs/tiny_sd3.yaml,configs/shapes.yaml"
-SMOKE_ARGS = ["--configs", "configs/tiny_sd3.yaml", "--epochs", "2", "--set", "grpo.groups_per_epoch=2",
-              "sampler.num_steps=3", "sampler.batch_size=4", "train.batch_size=4"]  # fmt: skip
+SMOKE_ARGS = [
+    "--configs",
+    "configs/tiny_sd3.yaml",
+    "--epochs",
+    "2",
+    "--set",
+    "grpo.groups_per_epoch=2",
+    "sampler.num_steps=3",
+    "sampler.batch_size=4",
+    "train.batch_size=4",
+]
 SHOWN = ("sampling", "reward_wait", "advantages", "training", "checkpoint", "idle")
 
 
@@ -66,8 +75,15 @@ def one_run(path: str, args: argparse.Namespace, inline: bool) -> list[dict[str,
         scorers.append(InlineScoring(reward, **kwargs))
         return scorers[-1]
 
-    overrides = [f"run.output_dir={out}", f"run.epochs={args.epochs}", "run.progress=false", "eval.every=0",
-                 "checkpoint.every=1", "run.image_grid_every=0", *args.set]  # fmt: skip
+    overrides = [
+        f"run.output_dir={out}",
+        f"run.epochs={args.epochs}",
+        "run.progress=false",
+        "eval.every=0",
+        "checkpoint.every=1",
+        "run.image_grid_every=0",
+        *args.set,
+    ]
     cwd = os.getcwd()
     try:
         os.chdir(ROOT)  # the configs name their prompt files relative to the repository
@@ -105,14 +121,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
-    head = (f"**Epoch** — `GRPOTrainer.fit` on {a['device']}, {a['epochs']} epochs per run (the first left out), a "
-            "checkpoint every epoch, evaluation off; share of the epoch's wall time per phase, rewards scored in the "
-            "background (the trainer's default) or inline. Target: idle ≤ 10%.")  # fmt: skip
+    head = (
+        f"**Epoch** — `GRPOTrainer.fit` on {a['device']}, {a['epochs']} epochs per run (the first left out), a "
+        "checkpoint every epoch, evaluation off; share of the epoch's wall time per phase, rewards scored in the "
+        "background (the trainer's default) or inline. Target: idle ≤ 10%."
+    )
     table = markdown_table(
         ["config", "rewards", "epoch s", *SHOWN, ""],
-        [[r["config"].removeprefix("configs/"), r["rewards"], r["wall"],
-          *(f"{100 * r[k] / r['wall']:.1f}%" for k in SHOWN), verdict(r["pass"])] for r in result["rows"]],
-    )  # fmt: skip
+        [
+            [
+                r["config"].removeprefix("configs/"),
+                r["rewards"],
+                r["wall"],
+                *(f"{100 * r[k] / r['wall']:.1f}%" for k in SHOWN),
+                verdict(r["pass"]),
+            ]
+            for r in result["rows"]
+        ],
+    )
     return head + "\n\n" + table
 
 

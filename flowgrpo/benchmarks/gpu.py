@@ -98,8 +98,13 @@ def capture_inputs(adapter, embeds, latents) -> dict[str, torch.Tensor]:
     captured: dict[str, torch.Tensor] = {}
 
     def hook(module, args, kwargs):  # noqa: ARG001
-        captured.update({k: v[:1] if k not in ("img_ids", "txt_ids") else v for k, v in kwargs.items()
-                         if isinstance(v, torch.Tensor)})  # fmt: skip
+        captured.update(
+            {
+                k: v[:1] if k not in ("img_ids", "txt_ids") else v
+                for k, v in kwargs.items()
+                if isinstance(v, torch.Tensor)
+            }
+        )
 
     handle = adapter.transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -156,30 +161,57 @@ def bench_kind(kind: str, args: argparse.Namespace, peak: float | None) -> dict[
 
     def run_pipe():
         with torch.no_grad():
-            pipe(prompt=texts, latents=latents.clone(), num_inference_steps=steps, guidance_scale=gs, height=size,
-                 width=size, output_type="pt")  # fmt: skip
+            pipe(
+                prompt=texts,
+                latents=latents.clone(),
+                num_inference_steps=steps,
+                guidance_scale=gs,
+                height=size,
+                width=size,
+                output_type="pt",
+            )
 
     def ours(sampler):
         def run():
             adapter.clear_prompt_cache()  # pipe() encodes every call
-            return rollout(adapter, texts, list(range(batch)), sampler, window, torch.Generator().manual_seed(1),
-                           height=size, width=size, initial_latents=latents)  # fmt: skip
+            return rollout(
+                adapter,
+                texts,
+                list(range(batch)),
+                sampler,
+                window,
+                torch.Generator().manual_seed(1),
+                height=size,
+                width=size,
+                initial_latents=latents,
+            )
 
         return run
 
     result: dict[str, Any] = {
-        "kind": kind, "attention": args.attention, "steps": steps, "batch": batch, "size": size,
+        "kind": kind,
+        "attention": args.attention,
+        "steps": steps,
+        "batch": batch,
+        "size": size,
         "rows_per_image": rows_per_image,
-        "forward_tflop": forward / 1e12, "train_tflop": backward / 1e12, "decode_tflop": decode / 1e12,
-        "rollout": None, "train": [],
-    }  # fmt: skip
+        "forward_tflop": forward / 1e12,
+        "train_tflop": backward / 1e12,
+        "decode_tflop": decode / 1e12,
+        "rollout": None,
+        "train": [],
+    }
     if not args.no_rollout:
         t = interleaved({"pipe": run_pipe, "ode": ours(ode), "sde": ours(sde)}, args.repeats, device)
         result["rollout"] = {
-            "pipe_s": t["pipe"], "ode_s": t["ode"], "sde_s": t["sde"], "ode/pipe": t["ode"] / t["pipe"],
-            "sde/ode": t["sde"] / t["ode"], "images_per_s": batch / t["sde"],
+            "pipe_s": t["pipe"],
+            "ode_s": t["ode"],
+            "sde_s": t["sde"],
+            "ode/pipe": t["ode"] / t["pipe"],
+            "sde/ode": t["sde"] / t["ode"],
+            "images_per_s": batch / t["sde"],
             "mfu": rollout_flops * batch / t["sde"] / (peak * 1e12) if peak else None,
-        }  # fmt: skip
+        }
     holder: dict[str, Any] = {}
     rollout_peak = peak_gib(device, lambda: holder.update(trajectory=ours(sde)()))
     if result["rollout"] is not None:
@@ -215,8 +247,13 @@ def bench_kind(kind: str, args: argparse.Namespace, peak: float | None) -> dict[
         try:
             train_step()  # warm-up (and compilation)
             seconds = sorted(timed(train_step, device) for _ in range(args.repeats))[args.repeats // 2]
-            row.update({"seconds": seconds, "peak_gib": peak_gib(device, train_step),
-                        "mfu": train_flops * batch / seconds / (peak * 1e12) if peak else None})  # fmt: skip
+            row.update(
+                {
+                    "seconds": seconds,
+                    "peak_gib": peak_gib(device, train_step),
+                    "mfu": train_flops * batch / seconds / (peak * 1e12) if peak else None,
+                }
+            )
         except torch.cuda.OutOfMemoryError:
             row.update({"seconds": None, "peak_gib": None, "mfu": None, "error": "out of memory"})
             torch.cuda.empty_cache()
@@ -264,22 +301,63 @@ def markdown(result: dict[str, Any]) -> str:
 
     gib = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
     pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    rollout_rows = [[names(r), r["batch"], r["steps"], r["rows_per_image"], r["forward_tflop"],
-                     r["rollout"]["images_per_s"], r["rollout"]["ode/pipe"], r["rollout"]["sde/ode"],
-                     gib(r["rollout"]["peak_gib"]), pct(r["rollout"]["mfu"])]
-                    for r in result["results"] if r["rollout"]]  # fmt: skip
-    train_rows = [[names(r), r["batch"], t["setting"], r["train_tflop"] * r["rows_per_image"],
-                   t.get("error") or t["seconds"], gib(t["peak_gib"]), pct(t["mfu"])]
-                  for r in result["results"] for t in r["train"]]  # fmt: skip
-    return "\n".join([
-        f"**GPU** — {result['device_name']} ({peak}), random-weight real-size models{layers}, bf16 weights, LoRA r32, "
-        f"{a['size']}×{a['size']} px; median of {a['repeats']} repeats. FLOPs counted on the meta device "
-        "(scripts/bench.py gpu --help says how).", "",
-        markdown_table(["model", "batch", "steps", "rows/image", "fwd TFLOP/row", "rollout images/s", "ODE ÷ pipe",
-                        "SDE ÷ ODE", "rollout peak GiB", "rollout MFU"], rollout_rows), "",
-        markdown_table(["model", "micro-batch", "setting", "fwd+bwd TFLOP/image", "s / trained step", "peak GiB",
-                        "MFU"], train_rows),
-    ])  # fmt: skip
+    rollout_rows = [
+        [
+            names(r),
+            r["batch"],
+            r["steps"],
+            r["rows_per_image"],
+            r["forward_tflop"],
+            r["rollout"]["images_per_s"],
+            r["rollout"]["ode/pipe"],
+            r["rollout"]["sde/ode"],
+            gib(r["rollout"]["peak_gib"]),
+            pct(r["rollout"]["mfu"]),
+        ]
+        for r in result["results"]
+        if r["rollout"]
+    ]
+    train_rows = [
+        [
+            names(r),
+            r["batch"],
+            t["setting"],
+            r["train_tflop"] * r["rows_per_image"],
+            t.get("error") or t["seconds"],
+            gib(t["peak_gib"]),
+            pct(t["mfu"]),
+        ]
+        for r in result["results"]
+        for t in r["train"]
+    ]
+    return "\n".join(
+        [
+            f"**GPU** — {result['device_name']} ({peak}), random-weight real-size models{layers}, bf16 weights, "
+            f"LoRA r32, {a['size']}×{a['size']} px; median of {a['repeats']} repeats. FLOPs counted on the meta device "
+            "(scripts/bench.py gpu --help says how).",
+            "",
+            markdown_table(
+                [
+                    "model",
+                    "batch",
+                    "steps",
+                    "rows/image",
+                    "fwd TFLOP/row",
+                    "rollout images/s",
+                    "ODE ÷ pipe",
+                    "SDE ÷ ODE",
+                    "rollout peak GiB",
+                    "rollout MFU",
+                ],
+                rollout_rows,
+            ),
+            "",
+            markdown_table(
+                ["model", "micro-batch", "setting", "fwd+bwd TFLOP/image", "s / trained step", "peak GiB", "MFU"],
+                train_rows,
+            ),
+        ]
+    )
 
 
 def update_doc(path: str | Path, section: str) -> None:

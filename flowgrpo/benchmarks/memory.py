@@ -99,8 +99,17 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     texts = prompts(a["batch"])
 
     def sample(decode: bool):
-        return rollout(adapter, texts, list(range(a["batch"])), config.sampler, range(0, a["steps"] - 1),
-                       torch.Generator().manual_seed(0), height=a["size"], width=a["size"], decode=decode)  # fmt: skip
+        return rollout(
+            adapter,
+            texts,
+            list(range(a["batch"])),
+            config.sampler,
+            range(0, a["steps"] - 1),
+            torch.Generator().manual_seed(0),
+            height=a["size"],
+            width=a["size"],
+            decode=decode,
+        )
 
     if case["phase"] == "rollout":
         phase = lambda: sample(True)  # noqa: E731
@@ -154,8 +163,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         case = {"phase": phase, "model": model, "args": shared}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, "-m", "flowgrpo.benchmarks.memory", "--child", json.dumps(case)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, check=False)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "flowgrpo.benchmarks.memory", "--child", json.dumps(case)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"memory case {phase} {_label(model)} failed:\n{proc.stderr[-3000:]}")
         rows.append({"phase": phase, "setting": _label(model), **json.loads(proc.stdout.strip().splitlines()[-1])})
@@ -173,15 +188,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     cuda = any("cuda_peak_mib" in r for r in result["rows"])
-    head = (f"**Memory** — tiny {a['kind']} on {a['device']}, batch {a['batch']}, {a['size']}×{a['size']} px, "
-            f"{a['steps']} steps, CFG; one process per case, MiB. Host RSS after setup, its peak over two runs of the "
-            "phase, and the difference Δ" + (", and CUDA's max_memory_allocated" if cuda else "") + ".")  # fmt: skip
+    head = (
+        f"**Memory** — tiny {a['kind']} on {a['device']}, batch {a['batch']}, {a['size']}×{a['size']} px, "
+        f"{a['steps']} steps, CFG; one process per case, MiB. Host RSS after setup, its peak over two runs of the "
+        "phase, and the difference Δ" + (", and CUDA's max_memory_allocated" if cuda else "") + "."
+    )
     headers = ["phase", "setting", "setup RSS", "peak RSS", "Δ", *(["CUDA peak"] if cuda else []), "expected", ""]
-    table = markdown_table(headers, [
-        [r["phase"], r["setting"], r["setup_mib"], r["peak_mib"], r["delta_mib"],
-         *([r.get("cuda_peak_mib")] if cuda else []), r.get("expected", ""), verdict(r["pass"])]
-        for r in result["rows"]
-    ])  # fmt: skip
+    table = markdown_table(
+        headers,
+        [
+            [
+                r["phase"],
+                r["setting"],
+                r["setup_mib"],
+                r["peak_mib"],
+                r["delta_mib"],
+                *([r.get("cuda_peak_mib")] if cuda else []),
+                r.get("expected", ""),
+                verdict(r["pass"]),
+            ]
+            for r in result["rows"]
+        ],
+    )
     return head + "\n\n" + table
 
 

@@ -17,11 +17,19 @@ from flowgrpo.tiny import build_tiny_pipeline
 
 def _real_vae(latent_channels: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
     return AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-        latent_channels=latent_channels, sample_size=1024, scaling_factor=scaling_factor, shift_factor=shift_factor,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=latent_channels,
+        sample_size=1024,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
 
 
 def build_random_pipeline(
@@ -39,18 +47,34 @@ def build_random_pipeline(
         if kind == "sd3":  # SD3.5-Medium
             layers = num_layers or 24
             transformer = SD3Transformer2DModel(
-                sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=layers,
-                attention_head_dim=64, num_attention_heads=24, caption_projection_dim=1536,
-                joint_attention_dim=text.joint_attention_dim, pooled_projection_dim=text.pooled_projection_dim,
-                pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=tuple(range(min(13, layers))),
-            )  # fmt: skip
+                sample_size=128,
+                patch_size=2,
+                in_channels=16,
+                out_channels=16,
+                num_layers=layers,
+                attention_head_dim=64,
+                num_attention_heads=24,
+                caption_projection_dim=1536,
+                joint_attention_dim=text.joint_attention_dim,
+                pooled_projection_dim=text.pooled_projection_dim,
+                pos_embed_max_size=384,
+                qk_norm="rms_norm",
+                dual_attention_layers=tuple(range(min(13, layers))),
+            )
             vae = _real_vae(16, 1.5305, 0.0609)
         elif kind == "flux":  # FLUX.1-dev
             transformer = FluxTransformer2DModel(
-                patch_size=1, in_channels=64, num_layers=num_layers or 19, num_single_layers=2 * (num_layers or 19),
-                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=text.joint_attention_dim,
-                pooled_projection_dim=text.pooled_projection_dim, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
-            )  # fmt: skip
+                patch_size=1,
+                in_channels=64,
+                num_layers=num_layers or 19,
+                num_single_layers=2 * (num_layers or 19),
+                attention_head_dim=128,
+                num_attention_heads=24,
+                joint_attention_dim=text.joint_attention_dim,
+                pooled_projection_dim=text.pooled_projection_dim,
+                guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56),
+            )
             vae = _real_vae(16, 0.3611, 0.1159)
         else:
             raise ValueError(f"kind must be 'sd3' or 'flux', got {kind!r}")

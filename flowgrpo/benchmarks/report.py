@@ -68,8 +68,9 @@ def run_part(name: str, quick: bool) -> dict[str, Any]:
 
 def verdicts(result: dict[str, Any]) -> tuple[int, int]:
     """(passes, misses) of the figures with a target."""
-    found = [row.get("pass") for rows in result.values() if isinstance(rows, list) for row in rows
-             if isinstance(row, dict)]  # fmt: skip
+    found = [
+        row.get("pass") for rows in result.values() if isinstance(rows, list) for row in rows if isinstance(row, dict)
+    ]
     return sum(1 for v in found if v is True), sum(1 for v in found if v is False)
 
 
@@ -80,18 +81,22 @@ def document(parts: dict[str, dict[str, Any]], info: dict[str, Any], command: st
         passes, misses = verdicts(part["result"])
         summary.append([f"[{name}](#{name})", passes, misses, f"{part['seconds']:.0f}"])
     lines = [
-        "# Benchmarks", "",
+        "# Benchmarks",
+        "",
         "Written by `python scripts/bench.py all`; do not edit by hand (the GPU section is written by "
         "`bash scripts/gpu_bench.sh`). Every figure is a ratio of timings taken side by side in one run "
-        "(interleaved repeats, medians), so it holds on a busy machine too; absolute seconds are this machine's.", "",
+        "(interleaved repeats, medians), so it holds on a busy machine too; absolute seconds are this machine's.",
+        "",
         f"- command: `{command}`",
         f"- date: {info['date']}",
         f"- machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), torch threads "
         f"{info['torch_threads']}" + (f", GPU {info['gpu']}" if info["gpu"] else ""),
         f"- software: Python {info['python']}, torch {info['torch']}, diffusers {info['diffusers']}",
-        f"- total time: {total / 60:.1f} min", "",
-        markdown_table(["benchmark", "targets met", "missed", "seconds"], summary), "",
-    ]  # fmt: skip
+        f"- total time: {total / 60:.1f} min",
+        "",
+        markdown_table(["benchmark", "targets met", "missed", "seconds"], summary),
+        "",
+    ]
     for name, part in parts.items():
         command = " ".join(["python scripts/bench.py", name, *(shlex.quote(a) for a in part["argv"])])
         lines += [f"## {name}", "", f"`{command}`", "", part["markdown"], ""]
@@ -121,6 +126,12 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(document(parts, info, command, existing_gpu_section(out)), encoding="utf-8")
     print(f"wrote {out}")
-    write_json(args.json, {"machine": info, "command": command,
-                           **{n: {"seconds": p["seconds"], **p["result"]} for n, p in parts.items()}})  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "machine": info,
+            "command": command,
+            **{n: {"seconds": p["seconds"], **p["result"]} for n, p in parts.items()},
+        },
+    )
     return 0

@@ -32,8 +32,20 @@ SPECS: dict[str, dict[str, Any]] = {
     "jpeg_incompressibility": {"name": "jpeg_incompressibility"},
     "clipscore": {"name": "clipscore", "model": "ViT-B-32", "random_init": True},
 }
-SMOKE_ARGS = ["--rewards", "jpeg_compressibility", "--batch-size", "2", "--size", "64", "--batches", "2", "--repeats",
-              "1", "--modes", "sleep"]  # fmt: skip
+SMOKE_ARGS = [
+    "--rewards",
+    "jpeg_compressibility",
+    "--batch-size",
+    "2",
+    "--size",
+    "64",
+    "--batches",
+    "2",
+    "--repeats",
+    "1",
+    "--modes",
+    "sleep",
+]
 
 
 def text_batch(batch: int, size: int) -> tuple[torch.Tensor, list[str]]:

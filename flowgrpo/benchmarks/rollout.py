@@ -37,8 +37,22 @@ SDE_KINDS = {  # name -> sampler settings (noise level 0.7 throughout)
     "langevin_frozen": {"kind": "langevin", "score_eval": "frozen"},
     "langevin_reeval": {"kind": "langevin", "score_eval": "reeval"},
 }
-SMOKE_ARGS = ["--kind", "sd3", "--steps", "4", "--batch", "2", "--size", "32", "--repeats", "1", "--prefix-batch", "4",
-              "--group", "2"]  # fmt: skip
+SMOKE_ARGS = [
+    "--kind",
+    "sd3",
+    "--steps",
+    "4",
+    "--batch",
+    "2",
+    "--size",
+    "32",
+    "--repeats",
+    "1",
+    "--prefix-batch",
+    "4",
+    "--group",
+    "2",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,14 +110,30 @@ def bench_samplers(kind: str, pipe, adapter, args: argparse.Namespace) -> list[d
 
     def run_pipe():
         with torch.no_grad():
-            pipe(prompt=texts, latents=latents.clone(), num_inference_steps=steps, guidance_scale=gs, height=size,
-                 width=size, output_type="pt")  # fmt: skip
+            pipe(
+                prompt=texts,
+                latents=latents.clone(),
+                num_inference_steps=steps,
+                guidance_scale=gs,
+                height=size,
+                width=size,
+                output_type="pt",
+            )
 
     def ours(sampler: SamplerConfig):
         def run():
             adapter.clear_prompt_cache()  # pipe() encodes every call
-            rollout(adapter, texts, list(range(batch)), sampler, window, torch.Generator().manual_seed(1),
-                    height=size, width=size, initial_latents=latents)  # fmt: skip
+            rollout(
+                adapter,
+                texts,
+                list(range(batch)),
+                sampler,
+                window,
+                torch.Generator().manual_seed(1),
+                height=size,
+                width=size,
+                initial_latents=latents,
+            )
 
         return run
 
@@ -112,16 +142,45 @@ def bench_samplers(kind: str, pipe, adapter, args: argparse.Namespace) -> list[d
         sampler = SamplerConfig(noise_level=0.7, num_steps=steps, guidance_scale=gs, **SDE_KINDS[name])
         cases[name] = ours(sampler)
     t = interleaved(cases, args.repeats, args.device)
-    rows = [{"kind": kind, "case": "ode", "over": "pipe", "seconds": t["ode"], "ratio": t["ode"] / t["pipe"],
-             "target": 1.05, "images_per_s": batch / t["ode"]}]  # fmt: skip
+    rows = [
+        {
+            "kind": kind,
+            "case": "ode",
+            "over": "pipe",
+            "seconds": t["ode"],
+            "ratio": t["ode"] / t["pipe"],
+            "target": 1.05,
+            "images_per_s": batch / t["ode"],
+        }
+    ]
     for name in args.samplers.split(","):
         calls = (2 * steps - 1) / steps if name == "langevin_reeval" else 1.0
-        rows.append({"kind": kind, "case": name, "over": "ode", "seconds": t[name], "ratio": t[name] / t["ode"],
-                     "target": round(1.10 * calls, 3), "images_per_s": batch / t[name]})  # fmt: skip
+        rows.append(
+            {
+                "kind": kind,
+                "case": name,
+                "over": "ode",
+                "seconds": t[name],
+                "ratio": t[name] / t["ode"],
+                "target": round(1.10 * calls, 3),
+                "images_per_s": batch / t[name],
+            }
+        )
     for row in rows:
         row["pass"] = row["ratio"] <= row["target"]
-    rows.insert(0, {"kind": kind, "case": "pipe", "over": None, "seconds": t["pipe"], "ratio": None, "target": None,
-                    "images_per_s": batch / t["pipe"], "pass": None})  # fmt: skip
+    rows.insert(
+        0,
+        {
+            "kind": kind,
+            "case": "pipe",
+            "over": None,
+            "seconds": t["pipe"],
+            "ratio": None,
+            "target": None,
+            "images_per_s": batch / t["pipe"],
+            "pass": None,
+        },
+    )
     return rows
 
 
@@ -139,14 +198,23 @@ def bench_prefix(kind: str, adapter, args: argparse.Namespace) -> list[dict[str,
             guidance_scale=GUIDANCE[kind],
             same_initial_noise=True,
             shared_prefix=shared,
-        )  # fmt: skip
+        )
         for shared in (True, False)
     }
     adapter.encode_prompts(texts, with_negative=adapter.needs_negative(GUIDANCE[kind]))  # cached, as in training
 
     def run(k: int, shared: bool):
-        return lambda: rollout(adapter, texts, group_ids, samplers[shared], range(k, k + 1),
-                               torch.Generator().manual_seed(1), height=size, width=size, decode=False)  # fmt: skip
+        return lambda: rollout(
+            adapter,
+            texts,
+            group_ids,
+            samplers[shared],
+            range(k, k + 1),
+            torch.Generator().manual_seed(1),
+            height=size,
+            width=size,
+            decode=False,
+        )
 
     cases = {f"{k}/{shared}": run(k, shared) for k in starts for shared in (True, False)}
     t = interleaved(cases, args.repeats, args.device)
@@ -157,9 +225,20 @@ def bench_prefix(kind: str, adapter, args: argparse.Namespace) -> list[dict[str,
         per_call = 2 if adapter.needs_negative(GUIDANCE[kind]) else 1
         arithmetic = (k / group + steps - k) / steps
         ratio = t[f"{k}/True"] / t[f"{k}/False"]
-        rows.append({"kind": kind, "k": k, "T": steps, "G": group, "rows_per_image": sum(counted) / per_call / batch,
-                     "arithmetic": arithmetic, "shared_s": t[f"{k}/True"], "unshared_s": t[f"{k}/False"],
-                     "ratio": ratio, "pass": abs(ratio / arithmetic - 1) <= 0.10})  # fmt: skip
+        rows.append(
+            {
+                "kind": kind,
+                "k": k,
+                "T": steps,
+                "G": group,
+                "rows_per_image": sum(counted) / per_call / batch,
+                "arithmetic": arithmetic,
+                "shared_s": t[f"{k}/True"],
+                "unshared_s": t[f"{k}/False"],
+                "ratio": ratio,
+                "pass": abs(ratio / arithmetic - 1) <= 0.10,
+            }
+        )
     return rows
 
 
@@ -180,21 +259,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     scale = "real-size random" if a["real_size"] else "tiny"
-    rows = [[r["kind"], r["case"], r["over"] or "", r["seconds"], r["images_per_s"], r["ratio"],
-             r["target"] and f"≤ {r['target']}", verdict(r["pass"])] for r in result["samplers"]]  # fmt: skip
-    out = [f"**Rollout** — {scale} pipelines on {a['device']} ({a['dtype']}), {a['steps']} steps, batch {a['batch']}, "
-           f"{a['size']}×{a['size']} px, images decoded, median of {a['repeats']} interleaved repeats.", "",
-           markdown_table(["model", "case", "÷", "s / batch", "images/s", "ratio", "target", ""], rows)]  # fmt: skip
+    rows = [
+        [
+            r["kind"],
+            r["case"],
+            r["over"] or "",
+            r["seconds"],
+            r["images_per_s"],
+            r["ratio"],
+            r["target"] and f"≤ {r['target']}",
+            verdict(r["pass"]),
+        ]
+        for r in result["samplers"]
+    ]
+    out = [
+        f"**Rollout** — {scale} pipelines on {a['device']} ({a['dtype']}), {a['steps']} steps, batch {a['batch']}, "
+        f"{a['size']}×{a['size']} px, images decoded, median of {a['repeats']} interleaved repeats.",
+        "",
+        markdown_table(["model", "case", "÷", "s / batch", "images/s", "ratio", "target", ""], rows),
+    ]
     if result["shared_prefix"]:
         r0 = result["shared_prefix"][0]
-        out += ["", f"**Shared prefix** — {r0['kind']}, T = {r0['T']} steps, groups of G = {r0['G']} in batches of "
-                f"{a['prefix_batch']}, SDE window = step k, no decoding: shared ÷ unshared time against the "
-                "arithmetic (k/G + T − k) / T (target: within 10%).", "",
-                markdown_table(["k", "rows/image", "arithmetic", "shared s", "unshared s", "ratio", "ratio ÷ arith.",
-                                ""],
-                               [[r["k"], r["rows_per_image"], r["arithmetic"], r["shared_s"], r["unshared_s"],
-                                 r["ratio"], r["ratio"] / r["arithmetic"], verdict(r["pass"])]
-                                for r in result["shared_prefix"]])]  # fmt: skip
+        out += [
+            "",
+            f"**Shared prefix** — {r0['kind']}, T = {r0['T']} steps, groups of G = {r0['G']} in batches of "
+            f"{a['prefix_batch']}, SDE window = step k, no decoding: shared ÷ unshared time against the "
+            "arithmetic (k/G + T − k) / T (target: within 10%).",
+            "",
+            markdown_table(
+                ["k", "rows/image", "arithmetic", "shared s", "unshared s", "ratio", "ratio ÷ arith.", ""],
+                [
+                    [
+                        r["k"],
+                        r["rows_per_image"],
+                        r["arithmetic"],
+                        r["shared_s"],
+                        r["unshared_s"],
+                        r["ratio"],
+                        r["ratio"] / r["arithmetic"],
+                        verdict(r["pass"]),
+                    ]
+                    for r in result["shared_prefix"]
+                ],
+            ),
+        ]
     return "\n".join(out)
 
 

@@ -61,8 +61,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def sample(batch: int, steps: int, size: int):
         sampler = replace(config.sampler, num_steps=steps)
         texts = prompts(batch)
-        return lambda: rollout(adapter, texts, list(range(batch)), sampler, range(0, steps - 1),
-                               torch.Generator().manual_seed(0), height=size, width=size, decode=False)  # fmt: skip
+        return lambda: rollout(
+            adapter,
+            texts,
+            list(range(batch)),
+            sampler,
+            range(0, steps - 1),
+            torch.Generator().manual_seed(0),
+            height=size,
+            width=size,
+            decode=False,
+        )
 
     def train_step(batch: int, size: int) -> Callable[[], None]:
         adapter.transformer.eval()
@@ -79,8 +88,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         return step
 
-    sweeps = {"batch": [int(x) for x in args.batches.split(",")], "steps": [int(x) for x in args.steps.split(",")],
-              "size": [int(x) for x in args.sizes.split(",")]}  # fmt: skip
+    sweeps = {
+        "batch": [int(x) for x in args.batches.split(",")],
+        "steps": [int(x) for x in args.steps.split(",")],
+        "size": [int(x) for x in args.sizes.split(",")],
+    }
     rows = []
     for phase in ("rollout", "train step"):
         for var, values in sweeps.items():
@@ -89,22 +101,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cases = {}
             for x in values:
                 point = {**base, var: x}
-                cases[x] = (sample(point["batch"], point["steps"], point["size"]) if phase == "rollout"
-                            else train_step(point["batch"], point["size"]))  # fmt: skip
+                cases[x] = (
+                    sample(point["batch"], point["steps"], point["size"])
+                    if phase == "rollout"
+                    else train_step(point["batch"], point["size"])
+                )
             t = interleaved(cases, args.repeats, args.device)
             exponent = loglog_exponent(values, [t[x] for x in values])
             low, high = TARGETS[var]
-            rows.append({"phase": phase, "variable": var, "values": values, "seconds": [t[x] for x in values],
-                         "exponent": exponent, "low": low, "high": high,
-                         "pass": (low is None or exponent >= low) and exponent <= high})  # fmt: skip
+            rows.append(
+                {
+                    "phase": phase,
+                    "variable": var,
+                    "values": values,
+                    "seconds": [t[x] for x in values],
+                    "exponent": exponent,
+                    "low": low,
+                    "high": high,
+                    "pass": (low is None or exponent >= low) and exponent <= high,
+                }
+            )
     return {"benchmark": "scaling", "args": vars(args), "base": base, "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
     a, b = result["args"], result["base"]
-    head = (f"**Scaling** — tiny {a['kind']} on {a['device']} (CFG, no decoding); each sweep varies one variable "
-            f"around batch {b['batch']}, {b['steps']} steps, {b['size']} px; cost ∝ x^e, e = least-squares log-log "
-            f"slope; median of {a['repeats']} interleaved repeats.")  # fmt: skip
+    head = (
+        f"**Scaling** — tiny {a['kind']} on {a['device']} (CFG, no decoding); each sweep varies one variable "
+        f"around batch {b['batch']}, {b['steps']} steps, {b['size']} px; cost ∝ x^e, e = least-squares log-log "
+        f"slope; median of {a['repeats']} interleaved repeats."
+    )
     names = {"batch": "batch", "steps": "steps", "size": "resolution (px)"}
 
     def target(r: dict[str, Any]) -> str:
@@ -112,10 +138,19 @@ def markdown(result: dict[str, Any]) -> str:
 
     table = markdown_table(
         ["phase", "variable", "points", "seconds", "exponent e", "target", ""],
-        [[r["phase"], names[r["variable"]], ", ".join(map(str, r["values"])),
-          ", ".join(f"{s:.3g}" for s in r["seconds"]), r["exponent"], target(r), verdict(r["pass"])]
-         for r in result["rows"]],
-    )  # fmt: skip
+        [
+            [
+                r["phase"],
+                names[r["variable"]],
+                ", ".join(map(str, r["values"])),
+                ", ".join(f"{s:.3g}" for s in r["seconds"]),
+                r["exponent"],
+                target(r),
+                verdict(r["pass"]),
+            ]
+            for r in result["rows"]
+        ],
+    )
     return head + "\n\n" + table
 
 

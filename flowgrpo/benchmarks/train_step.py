@@ -73,9 +73,16 @@ class Setup:
         for gs in cfg_scales:
             sampler = replace(config.sampler, guidance_scale=gs)
             self.trajectories[gs > 1 and self.adapter.uses_cfg] = rollout(
-                self.adapter, texts, list(range(args.batch)), sampler, range(0, args.steps - 1),
-                torch.Generator().manual_seed(0), height=args.size, width=args.size, decode=False,
-            )  # fmt: skip
+                self.adapter,
+                texts,
+                list(range(args.batch)),
+                sampler,
+                range(0, args.steps - 1),
+                torch.Generator().manual_seed(0),
+                height=args.size,
+                width=args.size,
+                decode=False,
+            )
         if config.model.compile:  # as the trainer does (after the rollouts here: their graphs are not timed)
             self.adapter.compile()
         self.adapter.transformer.train()
@@ -140,32 +147,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for case, exp in expected.items():
             seconds = t[names.get(case, case)]
             ratio = seconds / fb
-            rows.append({"case": labels[case], "variant": "fp32", "step_s": seconds, "bare_s": fb, "ratio": ratio,
-                         "expected": exp, "target": 1.15 * exp, "pass": ratio <= 1.15 * exp,
-                         "vs_fp32_step": seconds / t["fp32/step"]})  # fmt: skip
+            rows.append(
+                {
+                    "case": labels[case],
+                    "variant": "fp32",
+                    "step_s": seconds,
+                    "bare_s": fb,
+                    "ratio": ratio,
+                    "expected": exp,
+                    "target": 1.15 * exp,
+                    "pass": ratio <= 1.15 * exp,
+                    "vs_fp32_step": seconds / t["fp32/step"],
+                }
+            )
     for name in variants:
         if name == "fp32":
             continue
         seconds, bare = t[f"{name}/step"], t[f"{name}/bare"]
-        rows.append({"case": "no KL, no CFG", "variant": name, "step_s": seconds, "bare_s": bare,
-                     "ratio": seconds / bare, "expected": 1.0, "target": 1.15, "pass": seconds / bare <= 1.15,
-                     "vs_fp32_step": seconds / t["fp32/step"] if "fp32/step" in t else None})  # fmt: skip
+        rows.append(
+            {
+                "case": "no KL, no CFG",
+                "variant": name,
+                "step_s": seconds,
+                "bare_s": bare,
+                "ratio": seconds / bare,
+                "expected": 1.0,
+                "target": 1.15,
+                "pass": seconds / bare <= 1.15,
+                "vs_fp32_step": seconds / t["fp32/step"] if "fp32/step" in t else None,
+            }
+        )
     return {"benchmark": "train-step", "args": vars(args), "rows": rows, "seconds": t}
 
 
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
-    head = (f"**Train step** — tiny {a['kind']} on {a['device']}, micro-batch {a['batch']}, {a['size']}×{a['size']} "
-            "px, LoRA r4, one trained timestep (re-evaluation + loss + backward) ÷ a bare transformer forward + "
-            f"backward on the same batch under the same setting; median of {a['repeats']} interleaved repeats. "
-            "Expected: from "
-            "the bare parts of this run (KL: + a no-grad forward; CFG: the bare pass on 2B rows); target ≤ 1.15 × "
-            "expected.")  # fmt: skip
+    head = (
+        f"**Train step** — tiny {a['kind']} on {a['device']}, micro-batch {a['batch']}, {a['size']}×{a['size']} "
+        "px, LoRA r4, one trained timestep (re-evaluation + loss + backward) ÷ a bare transformer forward + "
+        f"backward on the same batch under the same setting; median of {a['repeats']} interleaved repeats. "
+        "Expected: from "
+        "the bare parts of this run (KL: + a no-grad forward; CFG: the bare pass on 2B rows); target ≤ 1.15 × "
+        "expected."
+    )
     table = markdown_table(
         ["case", "setting", "step s", "bare s", "ratio", "expected", "target", "", "÷ fp32 step"],
-        [[r["case"], r["variant"], r["step_s"], r["bare_s"], r["ratio"], r["expected"], f"≤ {r['target']:.3g}",
-          verdict(r["pass"]), r["vs_fp32_step"]] for r in result["rows"]],
-    )  # fmt: skip
+        [
+            [
+                r["case"],
+                r["variant"],
+                r["step_s"],
+                r["bare_s"],
+                r["ratio"],
+                r["expected"],
+                f"≤ {r['target']:.3g}",
+                verdict(r["pass"]),
+                r["vs_fp32_step"],
+            ]
+            for r in result["rows"]
+        ],
+    )
     return head + "\n\n" + table
 
 

@@ -40,8 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="bench-window-")
     try:
-        overrides = tiny_overrides(args.kind, args.size, args.steps, args.batch, **{
-            "run.output_dir": out, "run.progress": False, "eval.every": 0, "checkpoint.every": 0})  # fmt: skip
+        overrides = tiny_overrides(
+            args.kind,
+            args.size,
+            args.steps,
+            args.batch,
+            **{"run.output_dir": out, "run.progress": False, "eval.every": 0, "checkpoint.every": 0},
+        )
         trainer = GRPOTrainer(bench_config(overrides))
         cfg = trainer.config
         full = args.steps - 1
@@ -50,9 +55,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         advantages = torch.randn(args.batch, generator=torch.Generator().manual_seed(1))
         cases = {}
         for w in [full, *sizes]:
-            trajectory = rollout(trainer.adapter, texts, list(range(args.batch)), cfg.sampler, range(0, w),
-                                 torch.Generator().manual_seed(0), height=args.size, width=args.size,
-                                 decode=False)  # fmt: skip
+            trajectory = rollout(
+                trainer.adapter,
+                texts,
+                list(range(args.batch)),
+                cfg.sampler,
+                range(0, w),
+                torch.Generator().manual_seed(0),
+                height=args.size,
+                width=args.size,
+                decode=False,
+            )
             cases[w] = lambda trajectory=trajectory: trainer.train_on(trajectory, advantages, 0)
         t = interleaved(cases, args.repeats, args.device)
         if trainer.run_lock is not None:
@@ -62,23 +75,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for w in [full, *sizes]:
         expected, ratio = w / full, t[w] / t[full]
-        rows.append({"window": w, "trained_steps": w, "expected": expected, "seconds": t[w], "ratio": ratio,
-                     "pass": abs(ratio / expected - 1) <= 0.10 if w != full else None})  # fmt: skip
+        rows.append(
+            {
+                "window": w,
+                "trained_steps": w,
+                "expected": expected,
+                "seconds": t[w],
+                "ratio": ratio,
+                "pass": abs(ratio / expected - 1) <= 0.10 if w != full else None,
+            }
+        )
     return {"benchmark": "window", "args": vars(args), "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     full = a["steps"] - 1
-    head = (f"**Window** — tiny {a['kind']} trainer on {a['device']}, T = {a['steps']} steps, micro-batch "
-            f"{a['batch']}, {a['size']}×{a['size']} px: `train_on` time of a w-step window ÷ Flow-GRPO's full window "
-            f"({full} steps), "
-            f"against w / {full} (target: within 10%); median of {a['repeats']} interleaved repeats.")  # fmt: skip
+    head = (
+        f"**Window** — tiny {a['kind']} trainer on {a['device']}, T = {a['steps']} steps, micro-batch "
+        f"{a['batch']}, {a['size']}×{a['size']} px: `train_on` time of a w-step window ÷ Flow-GRPO's full window "
+        f"({full} steps), "
+        f"against w / {full} (target: within 10%); median of {a['repeats']} interleaved repeats."
+    )
     table = markdown_table(
         ["window w", "trained steps ÷ full", "train s", "cost ÷ full", "cost ÷ expected", ""],
-        [["full" if r["window"] == full else r["window"], r["expected"], r["seconds"], r["ratio"],
-          r["ratio"] / r["expected"], _verdict(r["pass"])] for r in result["rows"]],
-    )  # fmt: skip
+        [
+            [
+                "full" if r["window"] == full else r["window"],
+                r["expected"],
+                r["seconds"],
+                r["ratio"],
+                r["ratio"] / r["expected"],
+                _verdict(r["pass"]),
+            ]
+            for r in result["rows"]
+        ],
+    )
     return head + "\n\n" + table
 
 

@@ -48,8 +48,10 @@ def load_lora_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
     problems = lora_mismatch(expected, {k: tuple(v.shape) for k, v in state.items()})
     if problems:
-        raise CheckpointError(f"the checkpoint's adapter weights do not fit this model ({'; '.join(problems)}): "
-                              "was it trained with other model.lora settings?")  # fmt: skip
+        raise CheckpointError(
+            f"the checkpoint's adapter weights do not fit this model ({'; '.join(problems)}): "
+            "was it trained with other model.lora settings?"
+        )
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if any(is_sharded(p) for _, p in params):
         # FSDP2 shards: each process keeps its part of the (identical) full tensors.

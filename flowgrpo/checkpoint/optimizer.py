@@ -38,15 +38,17 @@ def optimizer_files(checkpoint: Path) -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
-def optimizer_state(acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    folder: Path) -> tuple[str, dict[str, Any]] | None:  # fmt: skip
+def optimizer_state(
+    acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
+) -> tuple[str, dict[str, Any]] | None:
     """What rank 0 writes for the optimizer: ``(file name, state)``, or None. Every process calls this first in
     a checkpoint, while all are in step: DeepSpeed writes its own sharded files here (a collective), FSDP2
     gathers the whole state onto rank 0 (keyed by parameter name), DDP's is replicated."""
     if is_deepspeed(acc):
         with _buffers_not_saved(engine(acc).module):
-            engine(acc).save_checkpoint(str(folder / DEEPSPEED_FOLDER), tag=DEEPSPEED_TAG, save_latest=False,
-                                        exclude_frozen_parameters=True)  # fmt: skip
+            engine(acc).save_checkpoint(
+                str(folder / DEEPSPEED_FOLDER), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True
+            )
         return None
     if is_fsdp(acc):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -63,8 +65,12 @@ def _buffers_not_saved(model: torch.nn.Module) -> Iterator[None]:
     """Leave the module's buffers out of its state dict for a while. DeepSpeed saves persistent buffers with the
     trainable weights even under ``exclude_frozen_parameters``; nothing trains them, the pipeline rebuilds them,
     and they can be large (SD3.5's ``pos_embed``: 384² × 1536 floats, 0.9 GB in every checkpoint)."""
-    hidden = [(m, name) for m in model.modules() for name, b in m._buffers.items()
-              if b is not None and name not in m._non_persistent_buffers_set]  # fmt: skip
+    hidden = [
+        (m, name)
+        for m in model.modules()
+        for name, b in m._buffers.items()
+        if b is not None and name not in m._non_persistent_buffers_set
+    ]
     for m, name in hidden:
         m._non_persistent_buffers_set.add(name)
     try:
@@ -82,27 +88,35 @@ def load_optimizer(
     if is_deepspeed(acc):
         folder = checkpoint / DEEPSPEED_FOLDER
         if not folder.is_dir():
-            raise CheckpointError(f"{checkpoint} was not written under DeepSpeed (no {DEEPSPEED_FOLDER}/): resume "
-                                  "it with the launch it was trained with")  # fmt: skip
+            raise CheckpointError(
+                f"{checkpoint} was not written under DeepSpeed (no {DEEPSPEED_FOLDER}/): resume "
+                "it with the launch it was trained with"
+            )
         # Trainable weights come back from DeepSpeed's file too (fp32 master weights included).
         try:
             with _deepspeed_reads_safely(engine(acc)):
                 path, _ = engine(acc).load_checkpoint(
-                    str(folder), tag=DEEPSPEED_TAG, load_module_strict=False, load_optimizer_states=True,
+                    str(folder),
+                    tag=DEEPSPEED_TAG,
+                    load_module_strict=False,
+                    load_optimizer_states=True,
                     load_lr_scheduler_states=False,
-                )  # fmt: skip
+                )
         except CheckpointError:
             raise
         except (OSError, RuntimeError, KeyError, ValueError, AssertionError) as err:
-            raise CheckpointError(f"DeepSpeed could not load {folder}: {err}; resume with the launch (and number of "
-                                  "processes) the checkpoint was written with") from None  # fmt: skip
+            raise CheckpointError(
+                f"DeepSpeed could not load {folder}: {err}; resume with the launch (and number of "
+                "processes) the checkpoint was written with"
+            ) from None
         if path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder}")
         return
     file = checkpoint / (FSDP_OPTIMIZER if is_fsdp(acc) else OPTIMIZER_FILE)
     if not file.is_file():
-        raise CheckpointError(f"{file} does not exist: resume with the back-end (DDP, DeepSpeed, FSDP) the "
-                              "checkpoint was written with")  # fmt: skip
+        raise CheckpointError(
+            f"{file} does not exist: resume with the back-end (DDP, DeepSpeed, FSDP) the checkpoint was written with"
+        )
     # Loaded on the CPU (accelerate names a multi-process CPU device "cpu:N", which torch.load rejects);
     # loading moves the state next to the parameters.
     state = load_torch_file(file)

@@ -39,11 +39,14 @@ def resolve_resume(resume: str, output_dir: str, run_name: str, warn: Callable[[
     which any reader of a run can change). Damaged checkpoints are skipped with a warning; a checkpoint named
     explicitly must be loadable."""
     if resume == "latest":
-        candidates = sorted(((_written_at(c), c) for run in run_dirs(output_dir, run_name)
-                             for c in list_checkpoints(run)), reverse=True)  # fmt: skip
+        candidates = sorted(
+            ((_written_at(c), c) for run in run_dirs(output_dir, run_name) for c in list_checkpoints(run)), reverse=True
+        )
         if not candidates:
-            raise CheckpointError(f"run.resume=latest: no run named '{run_name}' (<name>-YYYYmmdd-HHMMSS) with a "
-                                  f"checkpoint in {output_dir}/; check run.name and run.output_dir")  # fmt: skip
+            raise CheckpointError(
+                f"run.resume=latest: no run named '{run_name}' (<name>-YYYYmmdd-HHMMSS) with a "
+                f"checkpoint in {output_dir}/; check run.name and run.output_dir"
+            )
         return _first_loadable([c for _, c in candidates], warn, f"run.resume=latest (runs of '{run_name}')")
     path = Path(resume)
     if SUPERSEDED in path.resolve().parts:

@@ -91,9 +91,14 @@ def rng_from_json(data: Any) -> dict[str, Any]:
     key = np.array(n["key"], dtype=np.int64)
     python_state = p["state"]
     if (
-        data.get("format") != 1 or n["kind"] != "MT19937" or key.shape != (624,) or key.min() < 0
-        or key.max() >= 2**32 or len(python_state) != 625 or not all(type(v) is int for v in python_state)
-    ):  # fmt: skip
+        data.get("format") != 1
+        or n["kind"] != "MT19937"
+        or key.shape != (624,)
+        or key.min() < 0
+        or key.max() >= 2**32
+        or len(python_state) != 625
+        or not all(type(v) is int for v in python_state)
+    ):
         raise ValueError("not the RNG states flowgrpo writes")
     gauss = p["gauss"]
     return {

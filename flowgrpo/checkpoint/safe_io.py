@@ -48,8 +48,10 @@ def reading(path: Path) -> Iterator[None]:
     except CheckpointError:
         raise
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; resume from another one (a run "
-                              "directory or run.resume=latest picks the newest complete one)") from None  # fmt: skip
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint is incomplete; resume from another one (a run "
+            "directory or run.resume=latest picks the newest complete one)"
+        ) from None
     except Exception as err:  # noqa: BLE001 - every library raises its own type; all mean "unreadable"
         raise damaged(path, reason(err)) from None
 
@@ -125,9 +127,11 @@ def deepspeed_safe_globals() -> list[Any]:
     """The classes DeepSpeed's ZeRO-2 files pickle besides tensors (plain data: an enum, a loss scaler's numbers,
     fragment offsets): what :func:`load_torch_file` must allow for them; empty without DeepSpeed."""
     found: list[Any] = []
-    for module, names in (("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
-                          ("deepspeed.runtime.fp16.loss_scaler", ["LossScaler", "DynamicLossScaler"]),
-                          ("deepspeed.utils.tensor_fragment", ["fragment_address"])):  # fmt: skip
+    for module, names in (
+        ("deepspeed.runtime.zero.config", ["ZeroStageEnum"]),
+        ("deepspeed.runtime.fp16.loss_scaler", ["LossScaler", "DynamicLossScaler"]),
+        ("deepspeed.utils.tensor_fragment", ["fragment_address"]),
+    ):
         with contextlib.suppress(ImportError):
             imported = __import__(module, fromlist=names)
             found += [getattr(imported, n) for n in names if hasattr(imported, n)]

@@ -114,14 +114,26 @@ def save_checkpoint(parts: CheckpointParts, epoch: int, rng: dict[str, Any] | No
             if parts.ema is not None:
                 names = trainable_names(model)
                 with writing(tmp / EMA_FILE):
-                    save_file({n: s.contiguous() for n, s in zip(names, shadow, strict=True)},
-                              str(tmp / EMA_FILE), metadata={"decay": str(parts.ema.decay)})  # fmt: skip
+                    save_file(
+                        {n: s.contiguous() for n, s in zip(names, shadow, strict=True)},
+                        str(tmp / EMA_FILE),
+                        metadata={"decay": str(parts.ema.decay)},
+                    )
             write_text(tmp / CONFIG_FILE, parts.config.to_yaml())
-            trained = {"model.pretrained": parts.config.model.pretrained, "model.kind": parts.family,
-                       "model.lora.rank": lora["r"], "model.lora.alpha": lora["lora_alpha"],
-                       "model.lora.target_modules": lora["target_modules"]}  # fmt: skip
-            state = {**asdict(parts.state), "epoch": epoch, "world_size": acc.num_processes,
-                     "written_at": time.time(), "trained_on": trained}  # fmt: skip
+            trained = {
+                "model.pretrained": parts.config.model.pretrained,
+                "model.kind": parts.family,
+                "model.lora.rank": lora["r"],
+                "model.lora.alpha": lora["lora_alpha"],
+                "model.lora.target_modules": lora["target_modules"],
+            }
+            state = {
+                **asdict(parts.state),
+                "epoch": epoch,
+                "world_size": acc.num_processes,
+                "written_at": time.time(),
+                "trained_on": trained,
+            }
             write_text(tmp / STATE_FILE, json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
         failure = err
@@ -169,11 +181,15 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
     load_lora_state(model, weights)  # copied onto the device by load
     load_optimizer(acc, model, parts.optimizer, checkpoint)
     if ema is not None:
-        parts.ema.shadow = [shard_like(ema[name], p, torch.float32)
-                            for name, p in zip(trainable_names(model), parts.params, strict=True)]  # fmt: skip
+        parts.ema.shadow = [
+            shard_like(ema[name], p, torch.float32)
+            for name, p in zip(trainable_names(model), parts.params, strict=True)
+        ]
     if state.get("world_size", acc.num_processes) != acc.num_processes:
-        acc.print(f"warning: checkpoint written by {state['world_size']} processes, resuming on {acc.num_processes}; "
-                  "the epoch plan is unchanged but per-process noise differs")  # fmt: skip
+        acc.print(
+            f"warning: checkpoint written by {state['world_size']} processes, resuming on {acc.num_processes}; "
+            "the epoch plan is unchanged but per-process noise differs"
+        )
     for key in RESTORED:
         if key in state:
             setattr(parts.state, key, state[key])

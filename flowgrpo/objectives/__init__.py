@@ -18,5 +18,12 @@ from .base import (
     register_objective,
 )
 
-__all__ = ["OBJECTIVES", "MicroBatch", "Objective", "available_objectives", "get_objective", "objective_sections",
-           "register_objective"]  # fmt: skip
+__all__ = [
+    "OBJECTIVES",
+    "MicroBatch",
+    "Objective",
+    "available_objectives",
+    "get_objective",
+    "objective_sections",
+    "register_objective",
+]

@@ -1,10 +1,10 @@
 """Advantage-weighted matching (AWM; Xue et al., arXiv 2509.25050): GRPO's advantages on the pretraining loss.
 
-``grpo.objective: awm``, settings ``grpo.awm``. The clipped objective (Flow-GRPO eq. 8, :mod:`.clipped`) differentiates
-the log-prob of each stored SDE transition; its gradient is ``A · ε/σ_t · ∂μ/∂θ``, so the noise ε that made the samples
-differ also multiplies every gradient, and on small budgets the signal drowns (the shapes task: the gradients of two
-epochs have cosine ≈ 0, README). AWM instead noises each image's final latent x0 afresh and applies the rectified-flow
-loss the model was pretrained with, weighted by the image's advantage::
+``grpo.objective: awm``, settings ``grpo.awm``. The clipped objective (Flow-GRPO eq. 8, :mod:`.clipped`)
+differentiates the log-prob of each stored SDE transition; its gradient is ``A · ε/σ_t · ∂μ/∂θ``, so the noise ε that
+made the samples differ also multiplies every gradient, and on small budgets the signal drowns (the shapes task: the
+gradients of two epochs have cosine ≈ 0, docs/shapes.md §3). AWM instead noises each image's final latent x0 afresh
+and applies the rectified-flow loss the model was pretrained with, weighted by the image's advantage::
 
     x_σ = (1 - σ) x0 + σ ε,   loss = mean_i A_i · mean(|v_θ(x_σ, σ) - (ε - x0)|²)
 

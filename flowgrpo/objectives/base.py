@@ -76,8 +76,9 @@ class Objective:
         of the config's validation, before anything is loaded."""
 
     def steps(self, trajectory: Trajectory) -> int:
-        """How many places each sample could train: the stored window's steps (sde_window objectives)."""
-        return trajectory.num_trained_steps
+        """How many places each sample could train: the stored window's steps (sde_window objectives); one, the final
+        sample, for ode objectives (awm and nft override it with their number of σ draws per sample)."""
+        return trajectory.num_trained_steps if self.rollout == "sde_window" else 1
 
     def num_terms(self, trajectory: Trajectory) -> int:
         """Loss terms (backward passes) per micro-batch and pass over the samples."""
@@ -95,8 +96,13 @@ class Objective:
         """The terms of one micro-batch, in training order. Lazy: the positions are drawn when the first term is asked
         for, after the previous micro-batch's losses drew theirs (the draw order is part of an exact resume)."""
         g = self.config.grpo
-        positions = trained_positions(len(trajectory), self.steps(trajectory), generator,
-                                      shuffle=g.shuffle_timesteps, fraction=g.timestep_fraction)  # fmt: skip
+        positions = trained_positions(
+            len(trajectory),
+            self.steps(trajectory),
+            generator,
+            shuffle=g.shuffle_timesteps,
+            fraction=g.timestep_fraction,
+        )
         for j in range(positions.shape[1]):
             yield MicroBatch(trajectory, advantages, positions[:, j], generator)
 
@@ -144,5 +150,13 @@ def objective_sections() -> dict[str, type]:
     return {name: cls.config_class for name, cls in OBJECTIVES.items() if cls.config_class is not None}
 
 
-__all__ = ["ConfigError", "MicroBatch", "OBJECTIVES", "Objective", "available_objectives", "get_objective",
-           "objective_sections", "register_objective"]  # fmt: skip
+__all__ = [
+    "ConfigError",
+    "MicroBatch",
+    "OBJECTIVES",
+    "Objective",
+    "available_objectives",
+    "get_objective",
+    "objective_sections",
+    "register_objective",
+]

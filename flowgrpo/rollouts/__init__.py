@@ -16,5 +16,13 @@ from .base import (
 )
 from .chain import make_window
 
-__all__ = ["ROLLOUTS", "Collected", "RolloutContext", "RolloutStrategy", "available_rollouts", "get_rollout",
-           "make_window", "register_rollout"]  # fmt: skip
+__all__ = [
+    "ROLLOUTS",
+    "Collected",
+    "RolloutContext",
+    "RolloutStrategy",
+    "available_rollouts",
+    "get_rollout",
+    "make_window",
+    "register_rollout",
+]

@@ -28,10 +28,18 @@ def make_window(config: Config, stores_transitions: bool = True) -> SlidingWindo
         return NoWindow()
     w = config.sampler.window
     return SlidingWindow(
-        config.sampler.num_steps, w.size, strategy=w.strategy, shift_interval=w.shift_interval, stride=w.stride,
-        roll_back=w.roll_back, seed=config.run.seed, max_start=w.max_start, decay_rate=w.decay_rate,
-        decay_threshold=w.decay_threshold, end_margin=w.end_margin,
-    )  # fmt: skip
+        config.sampler.num_steps,
+        w.size,
+        strategy=w.strategy,
+        shift_interval=w.shift_interval,
+        stride=w.stride,
+        roll_back=w.roll_back,
+        seed=config.run.seed,
+        max_start=w.max_start,
+        decay_rate=w.decay_rate,
+        decay_threshold=w.decay_threshold,
+        end_margin=w.end_margin,
+    )
 
 
 @register_rollout("chain")
@@ -55,14 +63,26 @@ class Chain(RolloutStrategy):
             metadata = [dict(ctx.data.metadata[s.prompt_index]) for s in batch]
             sources = ctx.data.sources_of([s.prompt_index for s in batch])  # image editing, else None
             # Flow-GRPO-Fast: a new random window for every batch, a function of (seed, epoch, global batch index).
-            batch_window = (self.window.steps(epoch, batch=ctx.rank * len(batches) + index)
-                            if cfg.sampler.window.per_batch else window)  # fmt: skip
+            batch_window = (
+                self.window.steps(epoch, batch=ctx.rank * len(batches) + index)
+                if cfg.sampler.window.per_batch
+                else window
+            )
             starts.append(batch_window.start if batch_window else -1)
             trajectory = rollout(
-                ctx.adapter, prompts, [s.group_id for s in batch], cfg.sampler, batch_window, ctx.generator,
-                height=cfg.model.resolution, width=cfg.model.resolution, log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata, noise_seed=cfg.run.seed, sources=sources,
-            )  # fmt: skip
+                ctx.adapter,
+                prompts,
+                [s.group_id for s in batch],
+                cfg.sampler,
+                batch_window,
+                ctx.generator,
+                height=cfg.model.resolution,
+                width=cfg.model.resolution,
+                log_prob_reduce=cfg.grpo.log_prob_reduce,
+                metadata=metadata,
+                noise_seed=cfg.run.seed,
+                sources=sources,
+            )
             # scored while the next batch samples; editing rewards also see each sample's source image
             ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
             trajectory.images = trajectory.images.cpu()  # kept for image grids only: free the device memory
