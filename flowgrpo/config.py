@@ -41,6 +41,8 @@ class RunConfig:
     image_grid_every: int = 0  # epochs between image grids of sampled groups (0: never)
     progress: bool = True  # progress bars on rank 0
     max_nonfinite_steps: int = 5  # stop after this many NaN/inf losses (one per trained timestep) or gradients in a row
+    max_empty_epochs: int = 3  # stop after this many epochs in a row in which grpo.nan_policy=drop dropped every
+    #                            group (a judge that never answers): such an epoch takes no optimizer step
     debug_dump: bool = False  # per-rank dumps of groups/rewards/advantages and final adapter weights (tests)
 
 
@@ -629,6 +631,7 @@ def _check_ranges(config: Config) -> None:
         "run.epochs": r.epochs,
         "run.log_every": r.log_every,
         "run.max_nonfinite_steps": r.max_nonfinite_steps,
+        "run.max_empty_epochs": r.max_empty_epochs,
         "model.resolution": m.resolution,
         "model.lora.rank": m.lora.rank,
         "sampler.batch_size": s.batch_size,

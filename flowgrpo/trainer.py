@@ -72,6 +72,7 @@ class TrainState:
     epoch: int = 0  # next epoch to run; also the sliding window's iteration
     global_step: int = 0  # optimizer steps taken
     nonfinite_in_a_row: int = 0
+    empty_epochs_in_a_row: int = 0  # epochs whose every group the NaN policy dropped
     best_eval: float | None = None
     best_checkpoint: str | None = None  # name of the checkpoint with the best eval reward (never pruned)
 
@@ -351,7 +352,9 @@ class GRPOTrainer:
 
         # ================================ TRAIN ================================
         start = time.perf_counter()
-        stats = self.train_on(trajectory, advantages, epoch)
+        # Nothing usable (every group dropped): no optimizer step, which would still move the weights (Adam's
+        # weight decay, a momentum left from earlier epochs) on no signal at all.
+        stats = self.train_on(trajectory, advantages, epoch) if self._usable(keep, dropped) else {}
         timings["time/training"] = self.phases.add("training", start)
 
         metrics: dict[str, float] = {
@@ -485,6 +488,22 @@ class GRPOTrainer:
             broadcast_object_list(shared)
             metrics, self.state.best_eval = shared
         return metrics
+
+    def _usable(self, keep: torch.Tensor, dropped: int) -> bool:
+        """Whether any group survived the NaN policy; stop after ``run.max_empty_epochs`` epochs in a row with none."""
+        if keep.any():
+            self.state.empty_epochs_in_a_row = 0
+            return True
+        self.state.empty_epochs_in_a_row += 1
+        n, limit = self.state.empty_epochs_in_a_row, self.config.run.max_empty_epochs
+        self.accelerator.print(f"warning: every group ({dropped}) had a non-finite reward: no update ({n} in a row)")
+        if n >= limit:
+            raise TrainingError(
+                f"{n} epochs in a row had a non-finite reward in every group (grpo.nan_policy=drop left nothing to "
+                f"train on): a reward returns NaN for every image, e.g. a judge whose replies never parse or never "
+                f"arrive. Check the reward (its log lines above name it), or raise run.max_empty_epochs ({limit})"
+            )
+        return False
 
     def _skip_nonfinite(self, what: str = "loss") -> None:
         self.state.nonfinite_in_a_row += 1

@@ -150,6 +150,34 @@ def test_nonfinite_rewards_drop_their_groups_or_stop_clearly(tmp_path):
         _train(tmp_path, spec, "run.epochs=3", "eval.every=0")
 
 
+def test_epochs_with_no_usable_group_take_no_step_and_stop_clearly(tmp_path):
+    """Every reward NaN under nan_policy=drop: before, training went on for ever (exit 0, checkpoints) and the
+    optimizer stepped on nothing (the adapter moved by weight decay and momentum)."""
+    from flowgrpo.trainer import TrainingError
+
+    config = load_config(
+        TINY,
+        [f"run.output_dir={tmp_path}", "run.progress=false", "rewards={nan_reward_helper:NanAlways: 1.0}"]
+        + ["grpo.nan_policy=drop", "run.epochs=6", "eval.every=0", "run.max_empty_epochs=2", "train.lr=0.01"],
+    )
+    trainer = GRPOTrainer(config)
+    before = [p.detach().clone() for p in trainer.params]
+    with pytest.raises(TrainingError, match=r"2 epochs in a row .* raise run\.max_empty_epochs \(2\)"):
+        trainer.fit()
+    assert trainer.state.epoch == 1 and trainer.state.global_step == 0 and trainer.state.empty_epochs_in_a_row == 2
+    assert all(torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
+    # One usable epoch between empty ones resets the count (the cat prompt's groups alone are NaN).
+    trainer, _, rows = _train(
+        tmp_path,
+        "rewards={nan_reward_helper:NanForCats: 1.0}",
+        "grpo.nan_policy=drop",
+        "run.epochs=2",
+        "eval.every=0",
+        "run.max_empty_epochs=1",
+    )
+    assert len(rows) == 2 and trainer.state.empty_epochs_in_a_row == 0
+
+
 def test_a_nan_eval_reward_is_never_a_new_best(tmp_path, monkeypatch):
     import flowgrpo.trainer as trainer_module
 

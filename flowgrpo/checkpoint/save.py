@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ..ema import EMA
 
 # TrainState fields a resume restores (state.json holds them all, and the checkpoint's own bookkeeping).
-RESTORED = ("epoch", "global_step", "nonfinite_in_a_row", "best_eval", "best_checkpoint")
+RESTORED = ("epoch", "global_step", "nonfinite_in_a_row", "empty_epochs_in_a_row", "best_eval", "best_checkpoint")
 
 
 @dataclass(frozen=True)
