@@ -35,6 +35,8 @@ class RunConfig:
     output_dir: str = "runs"  # each run gets output_dir/<name>-<time>/ (never overwritten)
     seed: int = 42
     epochs: int = 100  # sampling + training rounds
+    max_minutes: float = 0.0  # wall-clock budget of a training attempt (0: none): the run ends, checkpointed, after
+    #                           the epoch during which it ran out (equal-time method comparisons)
     resume: str | None = None  # a checkpoint directory, a run directory, or "latest" (newest run of this name)
     log_every: int = 1  # epochs between console log lines
     trackers: list[str] = field(default_factory=list)  # accelerate trackers: "tensorboard", "wandb"
@@ -627,6 +629,7 @@ def _check_ranges(config: Config) -> None:
     r, m, s, g, t, e = config.run, config.model, config.sampler, config.grpo, config.train, config.eval
     w = s.window
     check_range("run.seed", r.seed, 0, 2**32 - 1, why="numpy's seed range")
+    check_range("run.max_minutes", r.max_minutes, 0)
     at_least_one = {
         "run.epochs": r.epochs,
         "run.log_every": r.log_every,

@@ -256,6 +256,8 @@ class GRPOTrainer:
         )
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
+        started = time.perf_counter()
+        budget = cfg.run.max_minutes * 60 if cfg.run.max_minutes else math.inf
         with stop_on_signals(self.stop):
             for epoch in bar:
                 self.phases.mark("epoch")
@@ -279,9 +281,16 @@ class GRPOTrainer:
                     new_best = self.state.best_eval is not None and self.state.best_eval != best_before
                     if new_best:
                         self.state.best_checkpoint = checkpoint_name(epoch + 1)
+                metrics["time/elapsed"] = elapsed = (
+                    time.perf_counter() - started
+                )  # this attempt's, evaluations included
                 self._log(metrics, epoch)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
-                done = epoch + 1 == cfg.run.epochs
+                # every process decides together (clocks differ): a collective each epoch when a budget is set
+                out_of_time = budget < math.inf and any_process(acc, elapsed >= budget)
+                if out_of_time:
+                    acc.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after epoch {epoch}: finishing")
+                done = epoch + 1 == cfg.run.epochs or out_of_time
                 stopping = self._agree_to_stop()  # a signal may have reached only some processes since the last step
                 if stopping or done or new_best or (save_every and (epoch + 1) % save_every == 0):
                     with self.phases("checkpoint"):
@@ -290,6 +299,8 @@ class GRPOTrainer:
                     acc.print(f"checkpoint: {path}")
                 if stopping:
                     acc.print("stop requested (signal): checkpoint written, exiting")
+                    break
+                if done:
                     break
         self.phases.mark("end")
         self._finish()

@@ -178,6 +178,12 @@ def test_epochs_with_no_usable_group_take_no_step_and_stop_clearly(tmp_path):
     assert len(rows) == 2 and trainer.state.empty_epochs_in_a_row == 0
 
 
+def test_a_time_budget_ends_the_run_checkpointed_after_the_epoch_that_spent_it(tmp_path):
+    trainer, _, rows = _train(tmp_path, "run.epochs=5", "run.max_minutes=1e-4", "eval.every=0", "checkpoint.every=0")
+    assert trainer.state.epoch == 1 and len(rows) == 1 and rows[0]["time/elapsed"] > 1e-4 * 60
+    assert [p.name for p in (trainer.run_dir / "checkpoints").iterdir()] == ["epoch-00001"]
+
+
 def test_a_nan_eval_reward_is_never_a_new_best(tmp_path, monkeypatch):
     import flowgrpo.trainer as trainer_module
 
