@@ -1,0 +1,311 @@
+"""Compare RL methods on the shapes task at equal wall-clock: 3 seeds each, every final model evaluated with 8
+images per held-out line; writes a markdown table and a reward-curve plot.
+
+python scripts/compare_methods.py [--presets shapes shapes_awm shapes_nft] [--seeds 0 1 2] [--minutes 3.5]
+    [--budgets 1 2] [--jobs 2] [--work runs/compare_methods] [--out docs/methods.md] [key.sub=value ...]
+
+Each preset (``configs/<preset>.yaml`` or a path) trains under ``run.max_minutes = minutes × budget`` on one thread
+(``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time and nothing else on the machine: the budget is wall-clock, so a
+busy machine gives a method fewer epochs. Its run ends after the epoch that spent the budget (the preset's
+``run.epochs`` is lifted so that the budget, not the epoch count, ends it; a preset whose lr schedule depends on
+``run.epochs`` is therefore refused). The shipped model is evaluated under each seed's noise too, and a gain is
+the trained model's accuracy minus the base model's under the same seed. Runs already finished under ``--work``
+are reused (delete the folder to redo them).
+
+The table reports, per preset and budget: colour+count and exact gain (mean ± sample std over seeds, and each
+seed's), colour+count pass@8, wall-clock, epochs, images sampled and optimizer steps. A difference from the first
+preset is called within noise when it is smaller than twice its standard error, sqrt(s₁²/n₁ + s₂²/n₂).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COLOR_COUNT, EXACT = "shapes/accuracy/color_count", "shapes/accuracy/exact"
+EPOCHS_CAP = 100_000  # the budget ends every run long before this
+
+
+@dataclass
+class Run:
+    preset: str
+    budget: float  # multiple of --minutes
+    seed: int
+    folder: Path
+    summary: dict[str, float] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    images_per_epoch: int = 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["shapes", "shapes_awm", "shapes_nft"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--minutes", type=float, default=3.5, help="the budget unit: the main job's wall-clock")
+    parser.add_argument("--budgets", nargs="+", type=float, default=[1.0], help="multiples of --minutes")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--eval-samples", type=int, default=8, help="images per held-out line")
+    parser.add_argument("--work", default="runs/compare_methods")
+    parser.add_argument("--out", default="docs/methods.md")
+    parser.add_argument("overrides", nargs="*", help="key=value applied to every preset")
+    args = parser.parse_args(argv)
+
+    from flowgrpo.config import ConfigError, load_config
+
+    configs = {}
+    try:
+        for preset in args.presets:
+            configs[preset] = load_config(_preset_path(preset), args.overrides)
+            if configs[preset].train.lr_schedule != "constant":
+                raise ConfigError(
+                    f"{preset}: train.lr_schedule={configs[preset].train.lr_schedule} depends on run.epochs, "
+                    "which a time budget leaves open: compare with train.lr_schedule=constant"
+                )
+    except (ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.jobs < 1 or args.eval_samples < 1 or args.minutes <= 0:
+        print("error: --jobs and --eval-samples must be >= 1 and --minutes > 0", file=sys.stderr)
+        return 2
+    work = Path(args.work)
+    runs = [
+        Run(p, b, s, work / f"{_stem(p)}-x{b:g}" / f"seed{s}")
+        for b in args.budgets
+        for p in args.presets
+        for s in args.seeds
+    ]
+    todo = [r for r in runs if _final_checkpoint(r.folder) is None]
+    print(f"{len(runs)} runs ({len(runs) - len(todo)} already done), {args.jobs} at a time")
+    with ProcessPoolExecutor(args.jobs) as pool:
+        failed = [
+            r
+            for r, rc in zip(
+                todo, pool.map(_train, todo, [args.minutes] * len(todo), [args.overrides] * len(todo)), strict=True
+            )
+            if rc != 0
+        ]
+        if failed:
+            print(f"error: {len(failed)} runs failed, e.g. {failed[0].folder} (its train.log)", file=sys.stderr)
+            return 1
+        n = len(args.seeds)
+        evaluated = pool.map(
+            _evaluate_base, [args.presets[0]] * n, args.seeds, [args.eval_samples] * n, [args.overrides] * n
+        )
+        base = dict(zip(args.seeds, evaluated, strict=True))
+        summaries = list(pool.map(_evaluate_run, [r.folder for r in runs], [args.eval_samples] * len(runs)))
+    for run, summary in zip(runs, summaries, strict=True):
+        run.summary = summary
+        run.rows = _metrics(run.folder)
+        cfg = configs[run.preset].grpo
+        run.images_per_epoch = cfg.group_size * cfg.groups_per_epoch
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot = out.with_name(out.stem + "_curves.png")
+    write_curves(runs, plot, args.minutes)
+    out.write_text(write_table(runs, base, args, plot.name), encoding="utf-8")
+    print(f"table: {out}\ncurves: {plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- running
+def _preset_path(preset: str) -> Path:
+    path = Path(preset)
+    return path if path.suffix in (".yaml", ".yml") else ROOT / "configs" / f"{preset}.yaml"
+
+
+def _stem(preset: str) -> str:
+    return Path(preset).stem
+
+
+def _final_checkpoint(folder: Path) -> Path | None:
+    """The newest checkpoint of the one run in ``folder``, if that run finished (its curves are written last)."""
+    runs = [d for d in folder.glob("*/") if (d / "curves.png").is_file()] if folder.is_dir() else []
+    if not runs:
+        return None
+    checkpoints = sorted((runs[-1] / "checkpoints").glob("epoch-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def _train(run: Run, minutes: float, overrides: list[str]) -> int:
+    if run.folder.exists():  # an unfinished attempt: start over
+        import shutil
+
+        shutil.rmtree(run.folder)
+    run.folder.mkdir(parents=True)
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        str(_preset_path(run.preset)),
+        *overrides,
+        f"run.seed={run.seed}",
+        f"run.output_dir={run.folder}",
+        f"run.max_minutes={minutes * run.budget}",
+        f"run.epochs={EPOCHS_CAP}",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "run.progress=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(run.folder / "train.log", "w", encoding="utf-8") as log:
+        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+
+
+def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]:
+    import diffusers
+    import torch
+
+    from flowgrpo.adapters import build_adapter
+    from flowgrpo.data import PromptDataset
+    from flowgrpo.evaluation import evaluate
+    from flowgrpo.export import adapter_from_checkpoint
+    from rewards import build_reward
+
+    torch.set_num_threads(1)
+    diffusers.utils.logging.set_verbosity_error()  # the tiny VAE's class notes, once per evaluation
+    config.eval.samples_per_prompt = samples
+    dataset = PromptDataset.from_file(config.data.test, "data.test")
+    reward = build_reward(config.rewards, device="cpu")
+    if checkpoint is None:  # LoRA initialised to the identity: the shipped model itself
+        adapter = build_adapter(config.model, "cpu")
+    else:
+        adapter = adapter_from_checkpoint(config, checkpoint, device="cpu")
+    summary, _, prompts, _ = evaluate(
+        adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed
+    )
+    return {**summary, "images": float(len(prompts))}  # one prompt per evaluated image
+
+
+def _evaluate_base(preset: str, seed: int, samples: int, overrides: list[str]) -> dict[str, float]:
+    from flowgrpo.config import load_config
+
+    return _evaluate(load_config(_preset_path(preset), [*overrides, f"run.seed={seed}"]), None, samples)
+
+
+def _evaluate_run(folder: Path, samples: int) -> dict[str, float]:
+    """The final checkpoint's summary, cached beside it (``eval<samples>.json``)."""
+    from flowgrpo.export import run_config
+
+    checkpoint = _final_checkpoint(folder)
+    cached = checkpoint / f"eval{samples}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    summary = _evaluate(run_config(checkpoint, ["run.resume=null"]), checkpoint, samples)
+    cached.write_text(json.dumps(summary), encoding="utf-8")
+    return summary
+
+
+def _metrics(folder: Path) -> list[dict]:
+    (run,) = [d for d in folder.glob("*/") if (d / "metrics.jsonl").is_file()]
+    lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [row for row in map(json.loads, lines) if "reward/total/mean" in row]
+
+
+# ---------------------------------------------------------------------------- reporting
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def within_noise(a: list[float], b: list[float]) -> tuple[float, float, bool]:
+    """(difference of means, its standard error sqrt(s_a²/n_a + s_b²/n_b), whether |difference| < 2 × error)."""
+    (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
+    error = math.sqrt(sa**2 / len(a) + sb**2 / len(b))
+    return ma - mb, error, abs(ma - mb) < 2 * error
+
+
+def write_table(
+    runs: list[Run],
+    base: dict[int, dict[str, float]],
+    args: argparse.Namespace,
+    plot: str,
+    argv_shown: str | None = None,
+) -> str:
+    """The markdown page: the table, the noise verdicts against the first preset, the curves."""
+    groups: dict[tuple[str, float], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.preset, run.budget), []).append(run)
+    base_cc = [100 * base[s][COLOR_COUNT] for s in args.seeds]
+    command = " ".join(["python scripts/compare_methods.py", *sys.argv[1:]]) if argv_shown is None else argv_shown
+    evaluated = int(base[args.seeds[0]].get("images", 0))
+    pass_k = f"{COLOR_COUNT}/pass@{args.eval_samples}"
+    lines = [
+        "# Methods on the shapes task",
+        "",
+        f"Written by `{command}`: each preset trained on one thread ({args.jobs} runs at a time) for "
+        f"{args.minutes:g} minutes × the budget, then its final model evaluated with {args.eval_samples} images per "
+        f"held-out line ({evaluated} images). Gains are in points against the shipped "
+        f"model under the same seed's noise (base colour+count: {', '.join(f'{v:.1f}' for v in base_cc)}). "
+        "± is the sample standard deviation over seeds.",
+        "",
+        f"| preset | budget | colour+count gain | per seed | exact gain | cc pass@{args.eval_samples} % | minutes "
+        "| epochs | images "
+        "| optimizer steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    gains: dict[tuple[str, float], list[float]] = {}
+    for (preset, budget), group in groups.items():
+        cc = [100 * (r.summary[COLOR_COUNT] - base[r.seed][COLOR_COUNT]) for r in group]
+        exact = [100 * (r.summary[EXACT] - base[r.seed][EXACT]) for r in group]
+        gains[preset, budget] = cc
+        (m, s), (me, se) = mean_std(cc), mean_std(exact)
+        pass8 = statistics.fmean(100 * r.summary.get(pass_k, math.nan) for r in group)
+        minutes = statistics.fmean(r.rows[-1]["time/elapsed"] / 60 for r in group)
+        epochs = statistics.fmean(len(r.rows) for r in group)
+        images = statistics.fmean(len(r.rows) * r.images_per_epoch for r in group)
+        steps = statistics.fmean(r.rows[-1]["global_step"] for r in group)
+        lines.append(
+            f"| `{_stem(preset)}` | ×{budget:g} | {m:+.1f} ± {s:.1f} | {' / '.join(f'{g:+.1f}' for g in cc)} "
+            f"| {me:+.1f} ± {se:.1f} | {pass8:.1f} | {minutes:.1f} | {epochs:.0f} | {images:.0f} | {steps:.0f} |"
+        )
+    lines += ["", "Against the first preset at the same budget (difference of mean colour+count gains):", ""]
+    first = args.presets[0]
+    for (preset, budget), cc in gains.items():
+        if preset == first:
+            continue
+        d, error, noise = within_noise(cc, gains[first, budget])
+        verdict = "within noise" if noise else ("better" if d > 0 else "worse")
+        lines.append(f"- `{_stem(preset)}` ×{budget:g}: {d:+.1f} ± {error:.1f} points: {verdict}")
+    lines += ["", f"![training reward against wall-clock minutes, one line per seed]({plot})", ""]
+    return "\n".join(lines)
+
+
+def write_curves(runs: list[Run], path: Path, minutes: float) -> None:
+    """Each preset's training reward against wall-clock minutes: one line per seed, faint, and the budgets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours: dict[str, str] = {}
+    for run in sorted(runs, key=lambda r: (r.preset, -r.budget)):
+        if any(r.preset == run.preset and r.seed == run.seed and r.budget > run.budget for r in runs):
+            continue  # the longest budget's run shows the shorter ones' span too
+        x = [row["time/elapsed"] / 60 for row in run.rows]
+        y = [row["reward/total/mean"] for row in run.rows]
+        label = None if run.preset in colours else _stem(run.preset)
+        (line,) = ax.plot(x, y, color=colours.get(run.preset), alpha=0.7, lw=1.2, label=label)
+        colours.setdefault(run.preset, line.get_color())
+    for budget in sorted({r.budget for r in runs}):
+        ax.axvline(minutes * budget, color="grey", ls=":", lw=1)
+    ax.set_xlabel("wall-clock minutes (one thread)")
+    ax.set_ylabel("training reward (mean over the epoch's images)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
