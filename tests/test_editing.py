@@ -4,15 +4,18 @@ re-scoring, source images from prompt files (and their errors), the reward proto
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
+import os
+import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import FluxKontextPipeline
-from PIL import Image
+from PIL import ExifTags, Image
 
 from flowgrpo.adapters import ADAPTERS, FluxKontextAdapter, make_adapter
 from flowgrpo.config import SamplerConfig, load_config
@@ -177,9 +180,13 @@ def test_text_to_image_adapters_refuse_source_images():
     with pytest.raises(ValueError, match="generates from text alone"):
         flux.encode_conditions(PROMPTS[:1], sources=SOURCES[:1], height=SIZE, width=SIZE)
     data = PromptDataset.from_file(ROOT / "configs" / "prompts" / "edit_tiny_train.jsonl")
-    with pytest.raises(DataError, match="data.train: .*edit_tiny_train.jsonl gives each prompt a source image"):
+    with pytest.raises(DataError, match="data.train: .*edit_tiny_train.jsonl gives each prompt a source image") as err:
         check_editing({"data.train": data}, adapter=flux)
+    assert "is a flux text-to-image pipeline" in str(err.value) and "flux-kontext or qwenimage-edit" in str(err.value)
     check_editing({"data.train": data}, adapter=make_adapter(build_tiny_pipeline("flux-kontext")))
+    # Wan generates video: the message names it so (it said "text-to-image pipeline").
+    with pytest.raises(DataError, match='is a wan text-to-video pipeline: it takes no "image"'):
+        check_editing({"data.test": data}, adapter=make_adapter(build_tiny_pipeline("wan")))
 
 
 # ---------------------------------------------------------------- prompt files with source images
@@ -236,6 +243,181 @@ def test_missing_or_unreadable_source_images_are_reported_with_file_and_line(tmp
         PromptDataset.from_file(_jsonl(tmp_path, [rows[0], rows[6]], "mixed.jsonl"))
     with pytest.raises(DataError, match=r':1: "image" must be an image file path, got 3'):
         PromptDataset.from_file(_jsonl(tmp_path, [rows[5]], "typed.jsonl"))
+
+
+# ---------------------------------------------------------------- source images in every PIL mode
+def _source_rgb(tmp_path: Path, write, name: str) -> tuple[np.ndarray, list[str], Path]:
+    """Write an image with ``write(path)``, read it as an editing row's source; ``(pixels [H, W, 3], notes, path)``."""
+    file = tmp_path / name
+    write(file)
+    data = PromptDataset.from_file(_jsonl(tmp_path, [json.dumps({"prompt": "edit", "image": name})]))
+    pixels = np.asarray(open_image(data.sources[0]))
+    assert pixels.dtype == np.uint8 and pixels.shape[2] == 3
+    return pixels, data.notes, file
+
+
+def _gray3(values: np.ndarray) -> np.ndarray:
+    return np.repeat(values[..., None], 3, axis=2)
+
+
+def test_16_bit_grayscale_is_scaled_to_8_bits_not_clipped_to_white(tmp_path):
+    values = np.array([[0, 128, 129, 257], [32896, 40000, 65534, 65535]], dtype=np.uint16)
+    expected = _gray3(np.round(values / 257).astype(np.uint8))  # 65535 -> 255, 257 -> 1, 128 -> 0, 129 -> 1
+    for name, saved in (("gray16.png", values), ("gray16_be.tif", values.astype(">u2"))):
+        pixels, notes, _ = _source_rgb(tmp_path, lambda f, v=saved: Image.fromarray(v).save(f), name)
+        assert Image.open(tmp_path / name).mode in ("I;16", "I;16B", "I")
+        np.testing.assert_array_equal(pixels, expected)
+        said = "were 16-bit grayscale: scaled to 8 bits as round(v / 257)"
+        assert notes == [f"data.train: 1 source image(s) {said} (first: {tmp_path / 'edits.jsonl'}:1)"]
+    # A 16-bit transparent gray value (tRNS) becomes the white background.
+    pixels, notes, _ = _source_rgb(tmp_path, lambda f: Image.fromarray(values).save(f, transparency=40000), "t16.png")
+    np.testing.assert_array_equal(pixels[1, 1], [255, 255, 255])
+    np.testing.assert_array_equal(pixels[1, 0], expected[1, 0])
+    assert any("composited onto white (255, 255, 255)" in n for n in notes)
+
+
+def test_float_images_are_read_as_intensities_in_0_1(tmp_path):
+    values = np.array([[0.0, 0.25, 0.5, 1.0], [0.002, 0.999, 1.001, -0.001]], dtype=np.float32)
+    pixels, notes, _ = _source_rgb(tmp_path, lambda f: Image.fromarray(values).save(f), "float.tif")
+    assert Image.open(tmp_path / "float.tif").mode == "F"
+    np.testing.assert_array_equal(pixels, _gray3(np.round(np.clip(values, 0, 1) * 255).astype(np.uint8)))
+    assert "were float grayscale in [0, 1]: scaled to 8 bits as round(v · 255)" in notes[0]
+    for name, bad, said in (
+        ("big.tif", 200.0, "float pixels in [-0.001, 200]"),
+        ("nan.tif", np.nan, "NaN or infinite"),
+    ):
+        wrong = values.copy()
+        wrong[0, 0] = bad
+        Image.fromarray(wrong).save(tmp_path / name)
+        with pytest.raises(DataError) as err:
+            PromptDataset.from_file(_jsonl(tmp_path, [json.dumps({"prompt": "e", "image": name})]), "data.test")
+        message = str(err.value)
+        assert f"edits.jsonl:1: image '{name}' holds" in message and said in message
+        assert "save it as an 8-bit RGB (or RGBA) PNG" in message and "\n" not in message
+
+
+def test_transparency_is_composited_onto_white(tmp_path):
+    rng = np.random.default_rng(0)
+    rgba = rng.integers(0, 256, (5, 6, 4), dtype=np.uint8)
+    rgba[0, 0, 3], rgba[0, 1, 3] = 0, 255
+    c, a = rgba[..., :3].astype(float), rgba[..., 3:].astype(float)
+    over_white = np.round((c * a + 255 * (255 - a)) / 255)
+    pixels, notes, file = _source_rgb(tmp_path, lambda f: Image.fromarray(rgba, "RGBA").save(f), "rgba.png")
+    np.testing.assert_array_equal(pixels, over_white.astype(np.uint8))
+    np.testing.assert_array_equal(pixels[0, 0], [255, 255, 255])  # fully transparent: the background
+    assert notes == [
+        "data.train: 1 source image(s) had transparent pixels: composited onto white (255, 255, 255), each channel "
+        f"round((c·a + 255·(255 − a)) / 255) (first: {tmp_path / 'edits.jsonl'}:1)"
+    ]
+    la = rgba[..., [0, 3]]
+    pixels, _, _ = _source_rgb(tmp_path, lambda f: Image.fromarray(la, "LA").save(f), "la.png")
+    np.testing.assert_array_equal(pixels, over_white[..., [0, 0, 0]].astype(np.uint8))  # its gray is the red
+    # The same conversion for a PIL image given directly; an opaque alpha is simply dropped, unnoted.
+    np.testing.assert_array_equal(np.asarray(open_image(Image.open(file))), over_white.astype(np.uint8))
+    rgba[..., 3] = 255
+    pixels, notes, _ = _source_rgb(tmp_path, lambda f: Image.fromarray(rgba, "RGBA").save(f), "opaque.png")
+    np.testing.assert_array_equal(pixels, rgba[..., :3])
+    assert notes == []
+
+
+def test_palette_transparency_is_composited_onto_white(tmp_path):
+    indices = np.array([[0, 1, 2], [2, 1, 0]], dtype=np.uint8)
+    palette = np.array([[10, 20, 30], [200, 100, 50], [0, 0, 255]])
+    alpha = np.array([0, 128, 255])  # the tRNS chunk: index 0 transparent, 1 half, 2 opaque
+
+    def write(file: Path) -> None:
+        image = Image.fromarray(indices, "P")
+        image.putpalette(palette.astype(np.uint8).ravel().tolist())
+        image.save(file, transparency=bytes(alpha[:2].tolist()))
+
+    pixels, notes, _ = _source_rgb(tmp_path, write, "palette.png")
+    assert Image.open(tmp_path / "palette.png").mode == "P"
+    a = alpha[indices][..., None]
+    np.testing.assert_array_equal(pixels, np.round((palette[indices] * a + 255 * (255 - a)) / 255).astype(np.uint8))
+    np.testing.assert_array_equal(pixels[0, 0], [255, 255, 255])
+    assert "had transparent pixels" in notes[0]
+    # One transparent index (an int), as GIF and most PNG editors write it.
+    pixels, _, _ = _source_rgb(
+        tmp_path, lambda f: Image.open(tmp_path / "palette.png").save(f, transparency=2), "p2.png"
+    )
+    np.testing.assert_array_equal(pixels[0, 2], [255, 255, 255])
+    np.testing.assert_array_equal(pixels[0, 1], palette[1])
+
+
+def test_cmyk_jpeg_is_converted_by_formula(tmp_path):
+    cmyk = np.zeros((16, 16, 4), dtype=np.uint8)
+    cmyk[:, :8] = (0, 255, 255, 0)  # red
+    cmyk[:, 8:] = (100, 50, 0, 100)
+    pixels, notes, file = _source_rgb(tmp_path, lambda f: Image.fromarray(cmyk, "CMYK").save(f, quality=100), "c.jpg")
+    decoded = np.asarray(Image.open(file)).astype(float)  # the CMYK values as decoded (JPEG is lossy)
+    expected = np.round((255 - decoded[..., :3]) * (255 - decoded[..., 3:]) / 255)
+    np.testing.assert_array_equal(pixels, expected.astype(np.uint8))
+    near = lambda got, want: np.abs(got.astype(int) - want).max() <= 3  # noqa: E731
+    assert near(pixels[4, 4], (255, 0, 0)) and near(pixels[4, 12], (94, 125, 155))  # (155·155/255, 205·155/255, 155)
+    assert "were CMYK: converted as round((255 − C)·(255 − K) / 255) per channel" in notes[0]
+
+
+def test_exif_orientation_is_applied_and_other_modes_are_refused(tmp_path):
+    pixels = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3) * 10
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # shown rotated 90° clockwise
+    got, notes, _ = _source_rgb(tmp_path, lambda f: Image.fromarray(pixels).save(f, exif=exif), "turned.png")
+    np.testing.assert_array_equal(got, np.rot90(pixels, k=-1))
+    assert "had an EXIF orientation: turned upright" in notes[0]
+    Image.fromarray(np.full((4, 4), 70000, dtype=np.int32)).save(tmp_path / "int32.tif")
+    Image.new("LAB", (4, 4)).save(tmp_path / "lab.tif")
+    rows = [json.dumps({"prompt": "e", "image": n}) for n in ("int32.tif", "lab.tif")]
+    with pytest.raises(DataError) as err:
+        PromptDataset.from_file(_jsonl(tmp_path, rows))
+    message = str(err.value)
+    assert (
+        "edits.jsonl:1: image 'int32.tif' holds 32-bit integer pixels (PIL mode I), which have no defined range"
+        in message
+    )
+    assert "edits.jsonl:2: image 'lab.tif' has PIL mode LAB, which is not converted to RGB here" in message
+    with pytest.raises(DataError, match=r"the source image \(a PIL image\) has PIL mode LAB"):
+        open_image(Image.new("LAB", (2, 2)))
+
+
+def test_a_self_referencing_symlink_is_refused_before_the_run_directory(tmp_path):
+    from flowgrpo.trainer import GRPOTrainer
+
+    os.symlink(tmp_path / "loop.png", tmp_path / "loop.png")
+    path = _jsonl(tmp_path, ['{"prompt": "edit", "image": "loop.png"}'])
+    with pytest.raises(DataError) as err:
+        PromptDataset.from_file(path)
+    assert f"{path}:1: image 'loop.png' is a symbolic link that leads back to itself ({tmp_path / 'loop.png'})" in str(
+        err.value
+    )
+    overrides = [f"run.output_dir={tmp_path / 'runs'}", f"data.train={path}", "data.test=null"]
+    with pytest.raises(DataError, match="symbolic link that leads back to itself"):
+        GRPOTrainer(load_config(ROOT / "configs" / "tiny_flux_kontext.yaml", overrides))
+    assert not (tmp_path / "runs").exists()
+    os.remove(tmp_path / "loop.png")
+    os.symlink(tmp_path / "gone.png", tmp_path / "loop.png")
+    with pytest.raises(DataError, match=r"'loop.png' is a symbolic link to a file that does not exist"):
+        PromptDataset.from_file(path)
+
+
+def test_a_source_image_broken_during_the_run_names_its_row(tmp_path):
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (8, 8), "red").save(tmp_path / name)
+    path = _jsonl(tmp_path, ['{"prompt": "x", "image": "a.png"}', '{"prompt": "y", "image": "b.png"}'])
+    data = PromptDataset.from_file(path, "data.test")
+    source = data.sources_of([1])[0]
+    assert source == str(tmp_path / "b.png") and source.origin == f"data.test: {path}:2"
+    assert pickle.loads(pickle.dumps(source)).origin == source.origin and copy.deepcopy(source).origin == source.origin
+    adapter = make_adapter(build_tiny_pipeline("flux-kontext"))
+    (tmp_path / "b.png").write_bytes(b"no longer an image")
+    with pytest.raises(DataError) as err:  # at rollout time: the adapter reads the images again
+        adapter.encode_sources(data.sources, SIZE, SIZE)
+    message = str(err.value)
+    assert message.startswith(f"data.test: {path}:2: the source image {tmp_path / 'b.png'} cannot be read as an image")
+    assert "changed or was removed since: restore it" in message and "run.resume" in message
+    os.remove(tmp_path / "b.png")
+    os.symlink(tmp_path / "b.png", tmp_path / "b.png")  # a link loop: no RuntimeError from resolving it
+    with pytest.raises(DataError, match=f"{path}:2: .* is a symbolic link that leads back to itself"):
+        adapter.encode_sources(data.sources, SIZE, SIZE)
 
 
 # ---------------------------------------------------------------- rewards and source images
