@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import load_config
+    from flowgrpo.data import DataError
     from flowgrpo.parallel import end_process
     from flowgrpo.trainer import GRPOTrainer, TrainingError
     from rewards import RewardError
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.fit()
         trainer.accelerator.print(f"done: {trainer.run_dir}")
-    except (TrainingError, RewardError, CheckpointError) as err:  # messages written for people: no traceback
+    # messages written for people: no traceback (DataError: a source image broken after the run started)
+    except (TrainingError, RewardError, CheckpointError, DataError) as err:
         print(textwrap.fill(f"error: {err}", width=100, break_long_words=False), file=sys.stderr)
         code = 1
     end_process(trainer.accelerator, code)  # several processes: exit here, before gloo's threads meet teardown

@@ -194,3 +194,22 @@ def test_a_nan_eval_reward_is_never_a_new_best(tmp_path, monkeypatch):
     # Only the final checkpoint. Before: NaN became the best, and NaN != NaN made every later evaluation a new
     # best, each with a checkpoint (epoch-00001, epoch-00002, ...).
     assert [p.name for p in (trainer.run_dir / "checkpoints").iterdir()] == ["epoch-00003"]
+
+
+def test_a_data_error_during_training_ends_the_cli_with_one_paragraph(tmp_path, monkeypatch, capsys):
+    """A source image broken after the run started raises DataError mid-epoch: before, a traceback."""
+    import importlib.util
+
+    from flowgrpo.data import DataError
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def broken(self):
+        raise DataError("data.train: rows.jsonl:2: the source image x.png cannot be read as an image")
+
+    monkeypatch.setattr(GRPOTrainer, "fit", broken)
+    code = script.main(["--config", str(TINY), f"run.output_dir={tmp_path}", "run.progress=false"])
+    err = capsys.readouterr().err
+    assert code == 1 and "error: data.train: rows.jsonl:2: the source image" in err and "Traceback" not in err
