@@ -11,19 +11,24 @@ Real weights are one config line (hub id / pretrained tag / local path), e.g.
 nothing (tests, benchmarks); ``model_config`` (open_clip ``CLIP`` kwargs) / ``config``
 (transformers ``CLIPConfig`` kwargs) / ``vision_config`` swap in a tiny architecture.
 Images are preprocessed as tensors, batched, the way each reward's reference does it (``ImagePreprocess``):
-open_clip rewards follow the model's preprocess config (resize mode, interpolation, mean/std),
+``clipscore`` as Flow-GRPO's ``ClipScorer`` (shortest side resized bilinearly, centre crop; ``preprocessing:
+open_clip`` follows the model's preprocess config: resize mode, interpolation, mean/std),
 ``hpsv2`` letterboxes like HPSv2's ``ResizeMaxSize``, ``pickscore`` / ``aesthetic`` follow the
 transformers image processor of their reference.
+
+Weights that cannot be loaded raise one-paragraph ``ValueError`` / ``OSError`` naming the option and the fix
+(``load_pretrained``, ``unreadable_weights``): the scripts print those without a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +40,7 @@ from .registry import register_reward
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".npz")
+_T = TypeVar("_T")
 
 
 @contextlib.contextmanager
@@ -172,17 +178,118 @@ def resolve_file(ref: str, filename: str | None, *, what: str, local_files_only:
         ) from err
 
 
-def load_state_dict(path: str) -> dict[str, Tensor]:
-    """safetensors, or a torch pickle read with ``weights_only=True``; unwraps ``state_dict`` / DDP prefixes."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+def _reason(err: BaseException, limit: int = 200) -> str:
+    """An exception's first line, whitespace collapsed and shortened: the cause inside a one-paragraph message."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else type(err).__name__
+    if text.startswith("Weights only load failed"):  # torch's advice to load untrusted pickles: not ours to give
+        # the unpickler's own words follow "WeightsUnpickler error:", on that line or the next
+        rest = str(err).partition("WeightsUnpickler error:")[2].strip().splitlines()
+        text = "torch.load(weights_only=True) refused it" + (f": {rest[0].strip()}" if rest else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+
+def _unreadable(err: BaseException) -> bool:
+    """Whether ``err`` says a weights file is truncated, corrupt or no tensor file (not that it does not fit)."""
+    from safetensors import SafetensorError
+
+    if isinstance(err, (SafetensorError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile)):
+        return True
+    # torch.load on a cut zip archive; a legacy pickle with no tensor storages after its header
+    return isinstance(err, RuntimeError) and any(
+        s in str(err) for s in ("PytorchStreamReader", "central directory", "Invalid magic number", "invalid load key")
+    )
+
+
+def unreadable_weights(where: str, path: str, err: BaseException) -> ValueError:
+    """The one-paragraph error for a weights file that cannot be read (``where``: "reward: key")."""
+    return ValueError(
+        f"{where}: cannot read {path} ({_reason(err)}); the file is truncated or corrupt (an interrupted download or "
+        "copy) or is no weights file (safetensors, or a torch state dict that loads with weights_only=True): "
+        "download or copy it again, or convert it to safetensors"
+    )
+
+
+def load_state_dict(path: str, *, what: str = "weights") -> dict[str, Tensor]:
+    """safetensors, or a torch pickle read with ``weights_only=True``; unwraps ``state_dict`` / DDP prefixes.
+
+    A truncated or corrupt file raises ``ValueError`` naming ``what`` (e.g. "aesthetic: weights") and ``path``."""
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        if _unreadable(err):
+            raise unreadable_weights(what, path, err) from err
+        raise
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _valid_repo_id(ref: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        return False
+    return True
+
+
+def looks_like_path(ref: str) -> bool:
+    """Whether ``ref`` can only be a local path: starts with ``/``, ``.`` or ``~``, or is no valid hub repo id
+    (``name`` or ``namespace/name``; ``models/m2f`` could be either and is not a path here)."""
+    return ref.startswith(("/", ".", "~", os.sep)) or not _valid_repo_id(ref)
+
+
+def load_pretrained(load: Callable[[str], _T], ref: str, *, where: str, expects: str) -> _T:
+    """``load(ref)`` (a transformers ``from_pretrained``) with its failures as one-paragraph errors.
+
+    ``where`` names the option ("geneval: detector"), ``expects`` what a local path must hold. A path that does not
+    exist raises ``FileNotFoundError`` before huggingface_hub can call it a malformed repo id; a truncated or corrupt
+    weights file ``ValueError`` naming the file; a repo that cannot be loaded ``OSError`` with transformers' reason.
+    """
+    path = os.path.expanduser(ref)
+    local = os.path.exists(path)
+    if not local and looks_like_path(ref):
+        raise FileNotFoundError(
+            f"{where} {ref!r} does not exist (relative paths start at {os.getcwd()}); give {expects}, or a hub repo id"
+        )
+    try:
+        return load(path if local else ref)
+    except Exception as err:
+        if _unreadable(err):
+            raise unreadable_weights(where, _weights_file(path if local else ref, local), err) from err
+        if not isinstance(err, OSError):
+            raise
+        if local:
+            raise OSError(f"{where} {ref!r} cannot be loaded ({_reason(err)}); give {expects}") from err
+        raise OSError(
+            f"{where} {ref!r} is no local path (relative paths start at {os.getcwd()}) and cannot be loaded as a "
+            f"hub repo ({_reason(err)}); give {expects}, or a hub repo id (downloaded once into the HF cache)"
+        ) from err
+
+
+def _weights_file(ref: str, local: bool) -> str:
+    """The weights file ``from_pretrained`` read for a dir or a cached hub repo, or a description of it."""
+    if local and os.path.isdir(ref):
+        files = sorted(f for f in os.listdir(ref) if f.endswith((".safetensors", ".bin")))
+        if len(files) == 1:
+            return os.path.join(ref, files[0])
+        return f"the weights ({', '.join(files) or 'none'}) in {ref}"
+    if not local:
+        from huggingface_hub import try_to_load_from_cache
+
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            cached = try_to_load_from_cache(ref, name)
+            if isinstance(cached, str):
+                return f"{cached} (hub {ref}: delete it, or `hf download {ref} --force-download`)"
+        return f"the weights of hub repo {ref}"
+    return ref
 
 
 def is_torchscript(path: str) -> bool:
@@ -193,11 +300,14 @@ def is_torchscript(path: str) -> bool:
         return any(name.rsplit("/", 1)[-1] == "constants.pkl" for name in archive.namelist())
 
 
-def _architecture(open_clip: Any, arch: str, model_config: dict | None) -> nn.Module:
-    """An open_clip model with random weights: ``model_config`` (``CLIP`` kwargs) or the named architecture."""
+def _architecture(open_clip: Any, arch: str, model_config: dict | None, quick_gelu: bool | None = None) -> nn.Module:
+    """An open_clip model with random weights: ``model_config`` (``CLIP`` kwargs) or the named architecture;
+    ``quick_gelu`` True forces QuickGELU, False / None keep what the config or the architecture says."""
     if model_config is not None:
-        return open_clip.CLIP(**model_config)
+        return open_clip.CLIP(**{**model_config, **({"quick_gelu": True} if quick_gelu else {})})
     # No tower weights either: open_clip 2.x names the flag pretrained_hf, 3.x still takes it (pretrained_text: 3.0+).
+    if quick_gelu:
+        return open_clip.create_model(arch, pretrained_hf=False, force_quick_gelu=True)
     return open_clip.create_model(arch, pretrained_hf=False)
 
 
@@ -257,10 +367,32 @@ class OpenClipReward(ClipImageReward):
         return _cosine(self.model.encode_image(pixels), self.model.encode_text(tokens))
 
 
+# Flow-GRPO's ClipScorer (flow_grpo/clip_scorer.py): torchvision ``T.Resize(shortest_edge)`` on tensors, whose default
+# interpolation is bilinear (antialiased), then ``T.CenterCrop`` and the processor's mean/std. The HF processor's own
+# ``resample`` (bicubic for openai/clip-vit-large-patch14) is not passed on.
+FLOWGRPO_PREPROCESS = {"resize_mode": "shortest", "interpolation": "bilinear"}
+PREPROCESSINGS = ("flowgrpo", "open_clip")
+
+
 @register_reward("clipscore")
 class ClipScore(OpenClipReward):
     """CLIP image-text cosine similarity; any open_clip architecture (``model``) with ``pretrained`` = a tag
-    (``openai``, ``laion2b_s32b_b82k``, ...) or a local checkpoint file."""
+    (``openai``, ``laion2b_s32b_b82k``, ...) or a local checkpoint file.
+
+    ``preprocessing``: ``flowgrpo`` (default) resizes as Flow-GRPO's ``ClipScorer``: the shortest side bilinearly
+    (antialiased) to the input size, centre crop, the model's mean/std. That deviates from OpenAI's and open_clip's
+    CLIP preprocessing (bicubic) and from the model's preprocess config (squash for SigLIP / DFN); ``open_clip``
+    follows that config instead.
+
+    ``quick_gelu``: ``true`` builds the architecture with QuickGELU, ``false`` / ``null`` keep the architecture's own
+    activation, except that ``null`` with a pretrained tag follows the tag (every ``openai`` tag is QuickGELU; open_clip
+    only warns on a mismatch). A state-dict file does not say which activation it was trained with: OpenAI, DFN and
+    MetaCLIP weights need ``quick_gelu: true`` (or the ``-quickgelu`` architecture). OpenAI's own TorchScript release
+    files (``ViT-L-14.pt``) always load with QuickGELU.
+    """
+
+    # The option names in messages; a reward that builds its CLIP from its own options renames them (geneval).
+    option_names: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -268,13 +400,22 @@ class ClipScore(OpenClipReward):
         pretrained: str | None = "openai",
         model: str | None = None,
         model_config: dict[str, Any] | None = None,
+        quick_gelu: bool | None = None,
+        preprocessing: str = "flowgrpo",
         random_init: bool = False,
         seed: int = 0,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         batch_size: int | None = 32,
     ) -> None:
-        self.pretrained = pretrained
+        if preprocessing not in PREPROCESSINGS:
+            raise ValueError(
+                f"{self._where('preprocessing')} must be one of {', '.join(PREPROCESSINGS)}; got {preprocessing!r}"
+            )
+        if quick_gelu is not None and not isinstance(quick_gelu, bool):
+            raise ValueError(f"{self._where('quick_gelu')} must be true, false or null; got {quick_gelu!r}")
+        self.pretrained, self.quick_gelu = pretrained, quick_gelu
+        self.preprocess_override = FLOWGRPO_PREPROCESS if preprocessing == "flowgrpo" else {}
         super().__init__(
             model=model,
             model_config=model_config,
@@ -285,28 +426,80 @@ class ClipScore(OpenClipReward):
             batch_size=batch_size,
         )
 
+    def _where(self, option: str) -> str:
+        return f"{self.name}: {self.option_names.get(option, option)}"
+
+    def _option(self, option: str) -> str:
+        return self.option_names.get(option, option)
+
     def _build(self, open_clip: Any, arch: str, model_config: dict | None, random_init: bool) -> nn.Module:
         if random_init:  # architecture only: no CLIP weights, no tower weights
-            return _architecture(open_clip, arch, model_config)
+            return _architecture(open_clip, arch, model_config, self.quick_gelu)
+        key = self._where("pretrained")
         if self.pretrained is None:
-            raise ValueError("clipscore: no weights; set pretrained=<tag or local file> or random_init=True")
+            raise ValueError(f"{key} is null: no weights; give a pretrained tag or a local file, or random_init: true")
         path = os.path.expanduser(self.pretrained)
-        if os.path.isfile(path) and is_torchscript(path):
-            # OpenAI's own release (a TorchScript archive, as ``clip.load`` caches it): QuickGELU, architecture read
-            # from the weights. open_clip's file loader would build ``arch`` with GELU (open_clip < 3 on torch < 2.6)
-            # or fail on ``weights_only``.
-            return open_clip.load_openai_model(path, precision="fp32", device="cpu")
-        if model_config is not None:
-            net = open_clip.CLIP(**model_config)
-            open_clip.load_checkpoint(net, path)
-            return net
-        # open_clip only warns when a tag needs QuickGELU (all openai weights) and the arch lacks it;
-        # without it the scores are silently off, so force it from the tag's config (open_clip 3; 2.x loads
-        # "openai" with QuickGELU itself and its tag configs lack the flag). A state-dict file does not say:
-        # name the ``-quickgelu`` architecture for OpenAI / DFN / MetaCLIP weights saved that way.
-        tag_cfg = {} if os.path.isfile(path) else open_clip.get_pretrained_cfg(arch, path)
-        quick_gelu = bool(tag_cfg.get("quick_gelu")) or path.lower() == "openai"
-        return open_clip.create_model(arch, pretrained=path, require_pretrained=True, force_quick_gelu=quick_gelu)
+        is_file = os.path.isfile(path)
+        tag_cfg = {} if is_file or model_config is not None else open_clip.get_pretrained_cfg(arch, path)
+        if not is_file and not tag_cfg:
+            raise self._missing(open_clip, arch, model_config)
+        try:
+            if is_file and is_torchscript(path):
+                # OpenAI's own release (a TorchScript archive, as ``clip.load`` caches it): QuickGELU, architecture
+                # read from the weights. open_clip's file loader would build ``arch`` with GELU (open_clip < 3 on
+                # torch < 2.6) or fail on ``weights_only``.
+                return open_clip.load_openai_model(path, precision="fp32", device="cpu")
+            if model_config is not None:
+                net = _architecture(open_clip, arch, model_config, self.quick_gelu)
+                open_clip.load_checkpoint(net, path)
+                return net
+            # open_clip only warns when a tag needs QuickGELU (all openai weights) and the arch lacks it; without it
+            # the scores are silently off, so force it from the tag's config (open_clip 3; 2.x loads "openai" with
+            # QuickGELU itself and its tag configs lack the flag). A state-dict file does not say: quick_gelu.
+            quick_gelu = self.quick_gelu
+            if quick_gelu is None:
+                quick_gelu = bool(tag_cfg.get("quick_gelu")) or path.lower() == "openai"
+            return open_clip.create_model(arch, pretrained=path, require_pretrained=True, force_quick_gelu=quick_gelu)
+        except (FileNotFoundError, ValueError):
+            raise
+        except Exception as err:
+            if is_file and _unreadable(err):
+                raise unreadable_weights(key, path, err) from err
+            # load_state_dict's key / size mismatches; open_clip's asserts and lookups while converting the layout
+            mismatch = isinstance(err, (AssertionError, KeyError)) or "state_dict" in str(err)
+            if is_file and mismatch:
+                what = self._option("model_config") if model_config is not None else f"{self._option('model')} {arch!r}"
+                raise ValueError(
+                    f"{key} {path!r} does not fit the architecture of {what} ({_reason(err)}); name the "
+                    "architecture the checkpoint was saved from"
+                ) from err
+            if not is_file and isinstance(err, (RuntimeError, OSError)):  # open_clip's download of a tag
+                raise OSError(
+                    f"{key} {self.pretrained!r}: the {arch} weights of this tag are neither in the cache nor "
+                    f"downloadable ({_reason(err)}); connect once so open_clip caches them, or give a local "
+                    "checkpoint file"
+                ) from err
+            raise
+
+    def _missing(self, open_clip: Any, arch: str, model_config: dict | None) -> Exception:
+        """What to say when ``pretrained`` is neither a file nor a tag open_clip knows for ``arch``."""
+        key, ref = self._where("pretrained"), str(self.pretrained)
+        path = os.path.expanduser(ref)
+        where = f"relative paths start at {os.getcwd()}"
+        if os.path.isdir(path):
+            return FileNotFoundError(f"{key} {ref!r} is a directory; name the checkpoint file in it")
+        if model_config is not None or looks_like_path(ref) or os.path.splitext(ref)[1] in WEIGHT_SUFFIXES:
+            tags = "" if model_config is not None else f" or a pretrained tag of {arch} (e.g. 'openai')"
+            return FileNotFoundError(
+                f"{key} {ref!r} does not exist ({where}); give the path of a checkpoint file (.safetensors, or a "
+                f"torch state dict){tags}"
+            )
+        tags = open_clip.list_pretrained_tags_by_model(arch)
+        known = f"its tags: {', '.join(tags[:8])}{', ...' if len(tags) > 8 else ''}" if tags else "no tags known"
+        return FileNotFoundError(
+            f"{key} {ref!r} is neither a file ({where}) nor a pretrained tag of {self._option('model')} {arch!r} "
+            f"({known}); give one of those or a checkpoint file"
+        )
 
 
 @register_reward("hpsv2")
@@ -351,7 +544,12 @@ class HPSv2(OpenClipReward):
             path = resolve_file(ref, filename, what="hpsv2 checkpoint", local_files_only=local)
         net = _architecture(open_clip, arch, model_config)
         if path is not None:
-            open_clip.load_checkpoint(net, path)
+            try:
+                open_clip.load_checkpoint(net, path)
+            except Exception as err:
+                if _unreadable(err):
+                    raise unreadable_weights("hpsv2: checkpoint", path, err) from err
+                raise
         return net
 
 
@@ -379,12 +577,19 @@ class PickScore(ClipImageReward):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         from transformers import AutoProcessor, CLIPConfig, CLIPModel
 
+        where, expects = "pickscore: model", "a directory holding a CLIP model's config.json and weights"
         if random_init:
             import open_clip
 
-            cfg = (
-                CLIPConfig(**config) if config else CLIPConfig.from_pretrained(model, local_files_only=local_files_only)
-            )
+            if config:
+                cfg = CLIPConfig(**config)
+            else:
+                cfg = load_pretrained(
+                    lambda ref: CLIPConfig.from_pretrained(ref, local_files_only=local_files_only),
+                    model,
+                    where=where,
+                    expects=expects,
+                )
             with seeded(seed):
                 net = CLIPModel(cfg)
             side = cfg.vision_config.image_size
@@ -392,8 +597,18 @@ class PickScore(ClipImageReward):
             bpe = open_clip.SimpleTokenizer(context_length=cfg.text_config.max_position_embeddings)
             self._tokenize = lambda prompts: (ids := bpe(prompts), (ids != 0).long())
         else:
-            net = CLIPModel.from_pretrained(model, local_files_only=local_files_only)
-            proc = AutoProcessor.from_pretrained(processor, local_files_only=local_files_only)
+            net = load_pretrained(
+                lambda ref: CLIPModel.from_pretrained(ref, local_files_only=local_files_only),
+                model,
+                where=where,
+                expects=expects,
+            )
+            proc = load_pretrained(
+                lambda ref: AutoProcessor.from_pretrained(ref, local_files_only=local_files_only),
+                processor,
+                where="pickscore: processor",
+                expects="a directory holding a CLIP processor (tokenizer files and preprocessor_config.json)",
+            )
             self.preprocess = ImagePreprocess.from_hf(proc.image_processor)
             tok, length = proc.tokenizer, net.config.text_config.max_position_embeddings
 
@@ -442,12 +657,21 @@ class _AestheticNet(nn.Module):
         return self.head(F.normalize(embeds, dim=-1)).squeeze(-1)  # the MLP was trained on unit embeddings
 
 
+AESTHETIC_CLIP = ("aesthetic: clip_model", "a directory holding a CLIP model's config.json and weights")
+
+
 def _vision_config(clip_model: str, local_files_only: bool) -> Any:
     """The vision tower's config with the CLIP's projection size: a ``CLIPConfig`` keeps it at the top level, and
     some LAION repos leave ``vision_config.projection_dim`` at its 512 default (a size mismatch when loading)."""
     from transformers import AutoConfig, CLIPVisionConfig
 
-    cfg = AutoConfig.from_pretrained(clip_model, local_files_only=local_files_only)
+    where, expects = AESTHETIC_CLIP
+    cfg = load_pretrained(
+        lambda ref: AutoConfig.from_pretrained(ref, local_files_only=local_files_only),
+        clip_model,
+        where=where,
+        expects=expects,
+    )
     if isinstance(cfg, CLIPVisionConfig):  # a saved vision tower
         return cfg
     vision = cfg.vision_config
@@ -493,13 +717,24 @@ class Aesthetic(ClipImageReward):
             # find the MLP file before loading a 300M-parameter tower
             path = resolve_file(weights, filename, what="aesthetic weights", local_files_only=local_files_only)
             cfg = _vision_config(clip_model, local_files_only)
-            vision = CLIPVisionModelWithProjection.from_pretrained(
-                clip_model, config=cfg, local_files_only=local_files_only
+            where, expects = AESTHETIC_CLIP
+            vision = load_pretrained(
+                lambda ref: CLIPVisionModelWithProjection.from_pretrained(
+                    ref, config=cfg, local_files_only=local_files_only
+                ),
+                clip_model,
+                where=where,
+                expects=expects,
             )
-            proc = CLIPImageProcessor.from_pretrained(clip_model, local_files_only=local_files_only)
+            proc = load_pretrained(
+                lambda ref: CLIPImageProcessor.from_pretrained(ref, local_files_only=local_files_only),
+                clip_model,
+                where=where,
+                expects=expects,
+            )
             self.preprocess = ImagePreprocess.from_hf(proc)
             head = AestheticMLP(cfg.projection_dim)
-            head.load_state_dict(load_state_dict(path))
+            head.load_state_dict(load_state_dict(path, what="aesthetic: weights"))
         self.model = self._setup_model(_AestheticNet(vision, head))
 
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Tensor:

@@ -57,6 +57,10 @@ How the scores may differ from GenEval's mmdet original, and why:
   padded to a multiple of 32), with torch's bilinear resize instead of OpenCV's.
 - **Colour crops** are preprocessed by open_clip's resize + centre crop on tensors (bicubic, antialiased) rather than
   PIL on a ``uint8`` image, and CLIP runs in ``dtype`` (the reference runs it under fp16 autocast on CUDA).
+- **QuickGELU.** GenEval's CLIP is open_clip ``ViT-L-14`` / ``openai``, which open_clip builds with QuickGELU. The tag
+  ``openai`` gets it here too; so do a local ``clip_pretrained`` file and ``random_init``, which carry no tag to read
+  it from: they are taken to be (the architecture of) OpenAI's weights. ``clip_quick_gelu: false`` keeps the
+  architecture's GELU for a file of other weights (LAION, DataComp); ``true`` forces QuickGELU whatever the tag.
 - **Flow-GRPO's server** receives JPEG-compressed images (PIL quality 75; ``jpeg_quality: 75`` reproduces that) and
   hands mmdet RGB arrays that mmdet's pipeline treats as BGR, so its detector sees red and blue swapped; we feed RGB,
   as GenEval's own evaluation does.
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,7 +81,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import ModelReward
-from .clip_models import seeded
+from .clip_models import ClipScore, load_pretrained, seeded
 from .registry import register_reward
 
 # GenEval's object_names.txt: COCO's 80 thing classes in COCO order, with GenEval's wording for three of them.
@@ -418,13 +423,30 @@ def _jpeg(images: Tensor, quality: int) -> Tensor:
     return torch.stack(out).permute(0, 3, 1, 2).to(images.device).float() / 255
 
 
+class _ColorClip(ClipScore):
+    """``clipscore``'s loader under geneval's option names (what its error messages call them)."""
+
+    name = "geneval"
+    option_names = {
+        "pretrained": "clip_pretrained",
+        "model": "clip_model",
+        "model_config": "clip_config",
+        "quick_gelu": "clip_quick_gelu",
+    }
+
+
+DETECTOR_EXPECTS = "a directory holding a Mask2Former model's config.json and model.safetensors (save_pretrained's)"
+
+
 @register_reward("geneval")
 class GenEvalReward(ModelReward):
     """GenEval's rules on Mask2Former (transformers) detections and open_clip colours (module docstring).
 
     ``detector``: hub id or local dir of a ``Mask2FormerForUniversalSegmentation`` COCO-instance model whose labels
     are COCO's 80 classes in COCO order (``class_names`` to use another label set). ``clip_model`` /
-    ``clip_pretrained``: open_clip architecture and tag or local file. ``random_init`` builds both with seeded random
+    ``clip_pretrained``: open_clip architecture and tag or local file; ``clip_quick_gelu``: null gives QuickGELU to
+    the ``openai`` tag, a local file and ``random_init`` (GenEval's CLIP is OpenAI's; module docstring), false keeps
+    the architecture's activation, true forces QuickGELU. ``random_init`` builds both with seeded random
     weights (``detector_config``: ``Mask2FormerConfig`` kwargs; ``clip_config``: open_clip ``CLIP`` kwargs) and
     downloads nothing. ``detector_size``: (short, long) input side limits. ``jpeg_quality``: score JPEG-compressed
     copies, as Flow-GRPO's server does (75); null: the pixels as given. ``per_tag``: the per-tag keys.
@@ -438,6 +460,7 @@ class GenEvalReward(ModelReward):
         clip_pretrained: str = "openai",
         detector_config: dict[str, Any] | None = None,
         clip_config: dict[str, Any] | None = None,
+        clip_quick_gelu: bool | None = None,
         random_init: bool = False,
         seed: int = 0,
         local_files_only: bool = False,
@@ -463,29 +486,44 @@ class GenEvalReward(ModelReward):
             raise ValueError(f"geneval: jpeg_quality must lie in 1..95 or be null; got {jpeg_quality!r}")
         from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation
 
-        from .clip_models import ClipScore
-
         self.class_names = tuple(class_names) if class_names is not None else CLASSES
+        where = "geneval: detector"
         if random_init:
             if detector_config is not None:
                 cfg = Mask2FormerConfig(**detector_config)
             else:
-                cfg = Mask2FormerConfig.from_pretrained(detector, local_files_only=local_files_only)
+                cfg = load_pretrained(
+                    lambda ref: Mask2FormerConfig.from_pretrained(ref, local_files_only=local_files_only),
+                    detector,
+                    where=where,
+                    expects=DETECTOR_EXPECTS,
+                )
             with seeded(seed):
                 net = Mask2FormerForUniversalSegmentation(cfg)
         else:
-            net = Mask2FormerForUniversalSegmentation.from_pretrained(detector, local_files_only=local_files_only)
+            net = load_pretrained(
+                lambda ref: Mask2FormerForUniversalSegmentation.from_pretrained(ref, local_files_only=local_files_only),
+                detector,
+                where=where,
+                expects=DETECTOR_EXPECTS,
+            )
         if net.config.num_labels != len(self.class_names):
             raise ValueError(
                 f"geneval: the detector has {net.config.num_labels} classes but class_names has "
                 f"{len(self.class_names)}; use a COCO-instance model (80 classes) or class_names in its label order"
             )
         self.detector = self._setup_model(net)
-        # The colour classifier: open_clip through clipscore's loader (QuickGELU for openai weights, local files).
-        self.clip = ClipScore(
+        # The colour classifier: open_clip through clipscore's loader, open_clip's preprocessing (GenEval's), and
+        # QuickGELU wherever no tag says otherwise (module docstring).
+        quick_gelu = clip_quick_gelu
+        if quick_gelu is None and (random_init or os.path.isfile(os.path.expanduser(clip_pretrained or ""))):
+            quick_gelu = True
+        self.clip = _ColorClip(
             pretrained=clip_pretrained,
             model=clip_model,
             model_config=clip_config,
+            quick_gelu=quick_gelu,
+            preprocessing="open_clip",
             random_init=random_init,
             seed=seed,
             device=device,

@@ -5,6 +5,7 @@ model in the format the real checkpoint uses and loading it through the one-line
 """
 
 import json
+import re
 import warnings
 
 import open_clip
@@ -90,7 +91,7 @@ def test_clipscore_is_cosine_of_open_clip_embeddings():
     reward = _build("clipscore")
     images = _images()
     model = reward.model
-    pixels = clip_preprocess(images, (64, 64), OPENAI_MEAN, OPENAI_STD)
+    pixels = clip_preprocess(images, (64, 64), OPENAI_MEAN, OPENAI_STD, interpolation="bilinear")  # Flow-GRPO's
     with torch.no_grad():
         img = F.normalize(model.encode_image(pixels), dim=-1)
         txt = F.normalize(model.encode_text(open_clip.tokenize(PROMPTS)), dim=-1)
@@ -221,7 +222,7 @@ def test_dtype_and_missing_weights():
     torch.testing.assert_close(out, fp32, atol=0.05, rtol=0)
     with pytest.raises(ValueError, match="unknown dtype 'half'"):
         _build("clipscore", dtype="half")
-    with pytest.raises(ValueError, match="clipscore: no weights"):
+    with pytest.raises(ValueError, match="clipscore: pretrained is null: no weights"):
         build_reward([{"name": "clipscore", "model_config": OPEN_CLIP_TINY, "pretrained": None}])
     with pytest.raises(FileNotFoundError, match="hpsv2 checkpoint: no such file '/nonexistent/HPS_v2.1_compressed.pt'"):
         build_reward([{"name": "hpsv2", "checkpoint": "/nonexistent/HPS_v2.1_compressed.pt"}])
@@ -323,7 +324,8 @@ def test_preprocess_matches_the_references_pil_transforms(name):
 
 
 def test_each_reward_preprocesses_like_its_reference(monkeypatch):
-    assert _build("clipscore").preprocess == ImagePreprocess((64, 64))
+    assert _build("clipscore").preprocess == ImagePreprocess((64, 64), interpolation="bilinear")  # Flow-GRPO's
+    assert _build("clipscore", preprocessing="open_clip").preprocess == ImagePreprocess((64, 64))
     assert _build("hpsv2").preprocess == ImagePreprocess((64, 64), resize_mode="longest")
     assert _build("pickscore").preprocess == ImagePreprocess((64, 64), floor_crop=True)
     assert _build("aesthetic").preprocess == ImagePreprocess((64, 64), floor_crop=True)
@@ -331,7 +333,10 @@ def test_each_reward_preprocesses_like_its_reference(monkeypatch):
     half = (0.5, 0.5, 0.5)
     cfg = {"size": 64, "resize_mode": "squash", "interpolation": "bilinear", "mean": half, "std": half}
     monkeypatch.setattr(open_clip, "get_model_preprocess_cfg", lambda net: cfg)
-    assert _build("clipscore").preprocess == ImagePreprocess((64, 64), half, half, "squash", "bilinear")
+    squash = ImagePreprocess((64, 64), half, half, "squash", "bilinear")
+    assert _build("clipscore", preprocessing="open_clip").preprocess == squash
+    # Flow-GRPO's ClipScorer resizes the shortest side and crops whatever the model's config says; mean/std are kept
+    assert _build("clipscore").preprocess == ImagePreprocess((64, 64), half, half, "shortest", "bilinear")
     assert _build("hpsv2").preprocess == ImagePreprocess((64, 64), half, half, "longest", "bicubic")
 
 
@@ -434,3 +439,134 @@ def test_openai_tags_get_quick_gelu(monkeypatch):
         ("ViT-L-14", "laion2b_s32b_b82k", False),
     ]
     assert all(k["require_pretrained"] for _, k in calls)
+
+
+# ------------------------------------------------------------------------------------------------ issue 28
+
+
+def test_clipscore_resizes_bilinear_as_flowgrpos_clip_scorer():
+    """Flow-GRPO's ``ClipScorer`` (flow_grpo/clip_scorer.py) runs torchvision ``T.Resize(224)`` (bilinear, antialiased,
+    on tensors), ``T.CenterCrop(224)`` and ``T.Normalize``; clipscore resized bicubic, as open_clip does."""
+    import torchvision.transforms as T
+
+    images = _images(h=80, w=96)  # shortest side 80 -> 64: 64 x 76, crop 6 columns off the left
+    ours = _build("clipscore").preprocess(images)
+    mean, std = torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1), torch.tensor(OPENAI_STD).view(1, 3, 1, 1)
+
+    def torch_resize(mode):
+        x = F.interpolate(images, size=(64, 76), mode=mode, antialias=True, align_corners=False)
+        return (x[..., 6:70] - mean) / std
+
+    torch.testing.assert_close(ours, torch_resize("bilinear"), atol=1e-5, rtol=0)
+    assert (ours - torch_resize("bicubic")).abs().max() > 1e-2  # what clipscore did before
+    reference = T.Compose([T.Resize(64), T.CenterCrop(64), T.Normalize(OPENAI_MEAN, OPENAI_STD)])  # Flow-GRPO's
+    torch.testing.assert_close(ours, reference(images), atol=1e-5, rtol=0)
+    # preprocessing: open_clip keeps the model's own config (bicubic for CLIP)
+    open_clip_pixels = _build("clipscore", preprocessing="open_clip").preprocess(images)
+    torch.testing.assert_close(open_clip_pixels, torch_resize("bicubic").clamp((0 - mean) / std, (1 - mean) / std))
+    with pytest.raises(ValueError, match="clipscore: preprocessing must be one of flowgrpo, open_clip"):
+        _build("clipscore", preprocessing="pil")
+
+
+def _has_quick_gelu(model: nn.Module) -> bool:
+    return any(isinstance(m, open_clip.transformer.QuickGELU) for m in model.modules())
+
+
+def test_clipscore_quick_gelu_option_for_a_state_dict_file(tmp_path):
+    source = open_clip.CLIP(**OPEN_CLIP_TINY)
+    save_file(source.state_dict(), str(tmp_path / "clip.safetensors"))
+    spec = {"name": "clipscore", "model_config": OPEN_CLIP_TINY, "pretrained": str(tmp_path / "clip.safetensors")}
+    assert not _has_quick_gelu(build_reward([spec]).rewards["clipscore"].model)  # a file does not say: as named
+    quick = build_reward([{**spec, "quick_gelu": True}]).rewards["clipscore"].model
+    assert _has_quick_gelu(quick)
+    assert _has_quick_gelu(_build("clipscore", quick_gelu=True).model)  # random_init too
+    with pytest.raises(ValueError, match="clipscore: quick_gelu must be true, false or null; got 'yes'"):
+        _build("clipscore", quick_gelu="yes")
+
+
+def _clean_error(excinfo: pytest.ExceptionInfo) -> str:
+    """A message the scripts print as one paragraph: a ValueError / OSError (what they catch), one line."""
+    assert isinstance(excinfo.value, (ValueError, OSError)), type(excinfo.value)
+    message = str(excinfo.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+def _truncated(path, source):
+    data = source.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def test_clipscore_bad_pretrained_files_say_which_and_what_to_do(tmp_path):
+    state = open_clip.CLIP(**OPEN_CLIP_TINY).state_dict()
+    save_file(state, str(tmp_path / "good.safetensors"))
+    torch.save(state, tmp_path / "good.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint at all\n" * 20)
+    cases = {
+        str(tmp_path / "missing.pt"): f"clipscore: pretrained '{tmp_path}/missing.pt' does not exist",
+        "./clip.safetensors": "clipscore: pretrained './clip.safetensors' does not exist .relative paths start at",
+        str(tmp_path): "is a directory; name the checkpoint file in it",
+        str(tmp_path / "garbage.pt"): f"clipscore: pretrained: cannot read {tmp_path}/garbage.pt .*download or copy",
+        str(_truncated(tmp_path / "cut.safetensors", tmp_path / "good.safetensors")): "cannot read .*cut.safetensors",
+        str(_truncated(tmp_path / "cut.pt", tmp_path / "good.pt")): "cannot read .*cut.pt .*truncated or corrupt",
+    }
+    for pretrained, message in cases.items():
+        with pytest.raises((ValueError, OSError)) as excinfo:
+            build_reward([{"name": "clipscore", "model_config": OPEN_CLIP_TINY, "pretrained": pretrained}])
+        assert re.search(message, _clean_error(excinfo)), (pretrained, str(excinfo.value))
+    # by architecture name: an unknown tag lists the known ones; a file of another architecture says so
+    with pytest.raises(FileNotFoundError) as excinfo:
+        build_reward([{"name": "clipscore", "model": "ViT-B-32", "pretrained": "openaii"}])
+    assert "'openaii' is neither a file" in _clean_error(excinfo) and "its tags: openai," in str(excinfo.value)
+    other = {**OPEN_CLIP_TINY, "text_cfg": {**OPEN_CLIP_TINY["text_cfg"], "width": 64}}
+    for spec in ({"model_config": other}, {"model": "ViT-B-32"}):
+        with pytest.raises(ValueError) as excinfo:
+            build_reward([{"name": "clipscore", "pretrained": str(tmp_path / "good.pt"), **spec}])
+        what = "model_config" if "model_config" in spec else "model 'ViT-B-32'"
+        assert f"good.pt' does not fit the architecture of {what}" in _clean_error(excinfo)
+
+
+def test_hub_models_given_as_paths_that_do_not_exist_say_so(tmp_path):
+    """huggingface_hub calls a missing path a malformed repo id ("Repo id must be in the form ...")."""
+    for model in ("/nonexistent/PickScore_v1", "./PickScore_v1", "~/no/such/dir"):
+        with pytest.raises(FileNotFoundError) as excinfo:
+            build_reward([{"name": "pickscore", "model": model}])
+        assert f"pickscore: model {model!r} does not exist (relative paths start at" in _clean_error(excinfo)
+        assert "Repo id" not in str(excinfo.value)
+    with pytest.raises(FileNotFoundError) as excinfo:
+        build_reward([{"name": "aesthetic", "clip_model": "/nonexistent/clip", "random_init": True}])
+    assert "aesthetic: clip_model '/nonexistent/clip' does not exist" in _clean_error(excinfo)
+    # a valid repo id that is neither a local dir nor cached (offline): one paragraph with the hub's reason
+    with pytest.raises(OSError) as excinfo:
+        build_reward([{"name": "pickscore", "model": "no-such-org/no-such-model", "local_files_only": True}])
+    assert "'no-such-org/no-such-model' is no local path" in _clean_error(excinfo)
+
+
+def test_pickscore_truncated_weights_name_the_file(tmp_path):
+    source = _build("pickscore", seed=1)
+    source.model.save_pretrained(tmp_path / "model")
+    _truncated(tmp_path / "model" / "model.safetensors", tmp_path / "model" / "model.safetensors")
+    with pytest.raises(ValueError) as excinfo:
+        build_reward([{"name": "pickscore", "model": str(tmp_path / "model"), "processor": str(tmp_path)}])
+    message = _clean_error(excinfo)
+    assert f"pickscore: model: cannot read {tmp_path}/model/model.safetensors" in message
+    assert "truncated or corrupt" in message and "download or copy it again" in message
+
+
+@pytest.mark.parametrize("name", ["hpsv2", "aesthetic"])
+def test_unreadable_weight_files_name_the_option(tmp_path, name):
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint at all\n" * 20)
+    if name == "hpsv2":
+        spec = {"name": "hpsv2", "model_config": OPEN_CLIP_TINY, "checkpoint": str(tmp_path / "garbage.pt")}
+        where = "hpsv2: checkpoint"
+    else:
+        _build("aesthetic").model.vision.save_pretrained(tmp_path / "clip")
+        CLIP_PIL_PROCESSOR(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(
+            tmp_path / "clip"
+        )
+        spec = {"name": "aesthetic", "clip_model": str(tmp_path / "clip"), "weights": str(tmp_path / "garbage.pt")}
+        where = "aesthetic: weights"
+    with pytest.raises(ValueError) as excinfo:
+        build_reward([spec])
+    assert f"{where}: cannot read {tmp_path}/garbage.pt" in _clean_error(excinfo)

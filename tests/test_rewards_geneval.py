@@ -5,6 +5,7 @@ logits, the model path on tiny random Mask2Former / open_clip configs, and ``scr
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -288,6 +289,106 @@ def test_jpeg_option_compresses_what_is_scored(combined):
     plain = model._prepare(image)
     assert torch.equal(plain, (image * 255).round() / 255)
     assert compressed.shape == image.shape and 0 < (compressed - plain).abs().mean() < 0.25
+
+
+# ------------------------------------------------------------------------------------------------ loading (issue 28)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Mask2Former saved as transformers saves it, and a tiny CLIP state dict as a safetensors file."""
+    import open_clip
+    from safetensors.torch import save_file
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation
+
+    root = tmp_path_factory.mktemp("geneval")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        Mask2FormerForUniversalSegmentation(Mask2FormerConfig(**MASK2FORMER_TINY)).save_pretrained(root / "detector")
+        save_file(open_clip.CLIP(**OPEN_CLIP_TINY).state_dict(), str(root / "clip.safetensors"))
+    return root
+
+
+def _activations(model: torch.nn.Module) -> set[str]:
+    import open_clip
+
+    kinds = {open_clip.transformer.QuickGELU: "QuickGELU", torch.nn.GELU: "GELU"}
+    return {name for m in model.modules() for kind, name in kinds.items() if type(m) is kind}
+
+
+def test_colour_clip_from_a_state_dict_file_gets_quick_gelu(saved):
+    """GenEval's colour CLIP is open_clip ViT-L-14 / openai, a QuickGELU model; a local file of those weights lost it
+    (a state dict does not say which activation it was trained with)."""
+    import open_clip
+
+    (saved / "flowgrpo-tiny.json").write_text(json.dumps(OPEN_CLIP_TINY))
+    open_clip.add_model_config(saved / "flowgrpo-tiny.json")  # an architecture by name, as ViT-L-14
+    detector, clip = str(saved / "detector"), str(saved / "clip.safetensors")
+    for spec in ({"clip_config": OPEN_CLIP_TINY}, {"clip_model": "flowgrpo-tiny"}):
+        reward = build_reward([{"name": "geneval", "detector": detector, "clip_pretrained": clip, **spec}])
+        model = reward.rewards["geneval"]
+        assert _activations(model.clip.model) == {"QuickGELU"}, spec
+        assert model.clip.preprocess.interpolation == "bicubic"  # GenEval's open_clip preprocessing, not Flow-GRPO's
+        other = {"name": "geneval", "detector": detector, "clip_pretrained": clip, "clip_quick_gelu": False, **spec}
+        assert _activations(build_reward([other]).rewards["geneval"].clip.model) == {"GELU"}, spec
+    random = build_reward(
+        {"geneval": {"random_init": True, "detector_config": MASK2FORMER_TINY, "clip_config": OPEN_CLIP_TINY}}
+    )
+    assert _activations(random.rewards["geneval"].clip.model) == {"QuickGELU"}  # the architecture GenEval runs
+
+
+def _config_error(excinfo: pytest.ExceptionInfo) -> str:
+    """What the scripts print as one paragraph (they catch ValueError and OSError), not a traceback."""
+    assert isinstance(excinfo.value, (ValueError, OSError)), type(excinfo.value)
+    message = str(excinfo.value)
+    assert "\n" not in message and "Traceback" not in message and "Repo id must" not in message, message
+    return message
+
+
+def test_missing_detector_paths_say_the_path_does_not_exist(saved):
+    for detector in ("/nonexistent/mask2former", "./models/mask2former", "~/no/such/dir"):
+        with pytest.raises(FileNotFoundError) as excinfo:
+            build_reward([{"name": "geneval", "detector": detector}])
+        message = _config_error(excinfo)
+        assert f"geneval: detector {detector!r} does not exist (relative paths start at" in message
+        assert "config.json and model.safetensors" in message
+    with pytest.raises(FileNotFoundError) as excinfo:  # random_init reads the detector's config
+        build_reward([{"name": "geneval", "detector": "/nonexistent/m2f", "random_init": True}])
+    assert "geneval: detector '/nonexistent/m2f' does not exist" in _config_error(excinfo)
+
+
+def test_truncated_detector_weights_name_the_file(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved / "detector", tmp_path / "detector")
+    weights = tmp_path / "detector" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError) as excinfo:
+        build_reward([{"name": "geneval", "detector": str(tmp_path / "detector")}])
+    message = _config_error(excinfo)
+    assert f"geneval: detector: cannot read {weights}" in message
+    assert "truncated or corrupt" in message and "download or copy it again" in message
+
+
+def test_bad_clip_pretrained_names_the_key(saved, tmp_path):
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint at all\n" * 20)
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint at all\n" * 20)
+    detector = str(saved / "detector")
+    cases = {
+        "/nonexistent/clip.safetensors": "geneval: clip_pretrained '/nonexistent/clip.safetensors' does not exist",
+        str(tmp_path / "garbage.safetensors"): f"geneval: clip_pretrained: cannot read {tmp_path}/garbage.safetensors",
+        str(tmp_path / "garbage.pt"): f"geneval: clip_pretrained: cannot read {tmp_path}/garbage.pt",
+    }
+    for clip, expected in cases.items():
+        spec = {"name": "geneval", "detector": detector, "clip_config": OPEN_CLIP_TINY, "clip_pretrained": clip}
+        with pytest.raises((ValueError, OSError)) as excinfo:
+            build_reward([spec])
+        assert expected in _config_error(excinfo), clip
+    with pytest.raises(FileNotFoundError) as excinfo:
+        build_reward([{"name": "geneval", "detector": detector, "clip_model": "ViT-B-32", "clip_pretrained": "opnai"}])
+    message = _config_error(excinfo)
+    assert "geneval: clip_pretrained 'opnai' is neither a file" in message
+    assert "nor a pretrained tag of clip_model 'ViT-B-32' (its tags: openai," in message
 
 
 # ------------------------------------------------------------------------------------------------ make_prompts
