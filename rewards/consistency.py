@@ -26,7 +26,8 @@ class Consistency(ClipScore):
     """Cosine similarity of the open_clip image embeddings of each image and its source image, in [-1, 1].
 
     Options as ``clipscore`` (``model``, ``pretrained``, ``model_config``, ``random_init``, ``device``, ``dtype``,
-    ``batch_size``); both images go through the model's own preprocessing, so their sizes may differ.
+    ``batch_size``, ``preprocessing``); both images go through the same preprocessing (by default Flow-GRPO's
+    ``image_similarity``: bilinear resize of the shortest side, centre crop), so their sizes may differ.
     """
 
     uses_source_images = True
