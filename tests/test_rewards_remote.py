@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+import tracemalloc
 import urllib.error
 import urllib.request
 import zipfile
@@ -45,15 +46,22 @@ def render(text: str, size=256, font_size=28) -> torch.Tensor:
 
 
 @contextmanager
-def serving(reward, **limits):
+def serving_server(reward, **limits):
+    """make_reward_server in a thread; yields (server, its /score URL)."""
     server = make_reward_server(reward, port=0, **limits)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score"
+        yield server, f"http://127.0.0.1:{server.server_address[1]}/score"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def serving(reward, **limits):
+    with serving_server(reward, **limits) as (_, url):
+        yield url
 
 
 @contextmanager
@@ -272,6 +280,16 @@ BAD_REQUESTS = {  # name: (raw request, expected status, words of the error)
     "negative Content-Length": (_post(b"", "-5"), 400, "Content-Length"),
     "huge Content-Length": (_post(b"", str(10**12)), 413, "exceeds"),
     "no Content-Length": (b"POST /score HTTP/1.1\r\nHost: x\r\n\r\n", 411, "Content-Length"),
+    # 2 MB of JSON that json.loads would turn into ~50 MB of objects: refused by counting its commas
+    "a million JSON values": (_post(b"[" + b"[]," * 2**20 + b"[]]"), 413, "more than 1048576 values"),
+    "headers over 64 KiB": (b"POST /score HTTP/1.1\r\n" + b"X: " + b"a" * 70_000 + b"\r\n\r\n", 431, "65536 bytes"),
+    "garbled request line": (b"HELLO\r\n\r\n", 400, "request line"),
+    "conflicting lengths": (
+        b"POST /score HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        400,
+        "conflicting",
+    ),
+    "pickle to a JSON server": (b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n}.", 404, "--flowgrpo-protocol"),
 }
 
 
@@ -329,7 +347,7 @@ def test_stalled_and_dripping_clients_are_timed_out():
                 reply = sock.recv(65536)
             finally:
                 stop.set()
-        assert reply.startswith(b"HTTP/1.0 408") and time.monotonic() - start < 10
+        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 10
 
 
 def test_listen_backlog_takes_a_burst_of_clients():
@@ -379,6 +397,194 @@ def test_a_dripping_server_cannot_hold_the_client_past_its_deadline():
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+# ------------------------------------------------------------------------ hostile clients: memory, time, connections
+def _valid_request(n: int = 1) -> bytes:
+    """A raw POST /score holding n real 8 x 8 PNGs."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), "gray").save(buffer, format="PNG")
+    return _post(_score_request("png", [_b64(buffer.getvalue())] * n, n))
+
+
+def _wait_for(condition, seconds: float = 5.0) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_an_announced_length_reserves_no_memory():
+    # The server used to allocate bytearray(Content-Length) before a byte of the body arrived: 8 connections
+    # announcing 60 MB each (under the 64 MiB limit) and sending nothing held 480 MB of zeros.
+    with serving_server(_zeros, max_request_mb=64, timeout=10) as (server, url):
+        port = server.server_address[1]
+        tracemalloc.start()
+        sockets = []
+        try:
+            for _ in range(8):
+                sockets.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+                sockets[-1].sendall(_post(b"", str(60_000_000)))
+            time.sleep(0.5)  # time for every connection's headers to be read
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            for sock in sockets:
+                sock.close()
+        assert peak < 8 * 2**20, f"{peak} bytes allocated for {len(sockets)} announced bodies"
+        assert server.peak_buffered_bytes == 0
+        _wait_for(lambda: server.open_connections == 0)
+
+
+def test_a_flood_of_announced_bodies_does_not_delay_a_valid_client():
+    # Issue 28: 40 requests of ~90 bytes announcing 600 MB (under the default 640 MiB cap), closed at once, delayed
+    # the next valid reply to 40 s; 5 held open took the server from 850 MB to 3.7 GB.
+    with serving_server(_zeros) as (server, url):
+        port = server.server_address[1]
+        for _ in range(40):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(_post(b"", "600000000"))
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
+        try:
+            for sock in held:
+                sock.sendall(_post(b"", "600000000"))
+            remote = build_reward([{"name": "remote", "url": url, "retries": 0, "timeout": 10}])
+            start = time.monotonic()
+            out = remote(torch.rand(2, 3, 8, 8), ["a", "b"])
+            assert time.monotonic() - start < 3 and out["total"].tolist() == [0.0, 0.0]
+            assert server.buffered_bytes == 0 and server.peak_buffered_bytes < 2**20
+        finally:
+            for sock in held:
+                sock.close()
+        _wait_for(lambda: server.open_connections == 0)
+
+
+def test_slow_headers_are_cut_off_at_the_deadline():
+    # A header every 0.2 s never trips a per-read timeout: the whole request, headers included, has one deadline.
+    # (Before: one header every 1.5 s kept a connection 12 s with --timeout 2.)
+    with serving(_zeros, timeout=1) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        stop = threading.Event()
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\n")
+            start = time.monotonic()
+
+            def drip():
+                with contextlib.suppress(OSError):
+                    for index in range(40):  # 8 s of headers
+                        if stop.wait(0.2):
+                            return
+                        sock.sendall(f"X-Slow-{index}: 1\r\n".encode())
+
+            threading.Thread(target=drip, daemon=True).start()
+            try:
+                reply = sock.recv(65536)
+            finally:
+                stop.set()
+        elapsed = time.monotonic() - start
+    assert reply.startswith(b"HTTP/1.1 408") and b"headers not received within 1 s" in reply, reply[:300]
+    assert elapsed < 3, elapsed
+
+
+def test_bodies_share_one_memory_budget():
+    # Four clients each send 400 KB of a 500 KB body and stall: with a budget of 1 MiB two fit, the others are
+    # refused (503) as their bytes would exceed it, and the reserved bytes never pass the budget.
+    budget = 2**20
+    with serving_server(_zeros, max_request_mb=0.5, memory_budget_mb=1, timeout=2) as (server, url):
+        port = server.server_address[1]
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+        try:
+            for sock in sockets:
+                sock.sendall(_post(b" " * 400_000, "500000"))
+            replies = []
+            for sock in sockets:  # 503 at once for the refused ones, 408 after 2 s for the others
+                replies.append(sock.recv(65536))
+        finally:
+            for sock in sockets:
+                sock.close()
+        statuses = sorted(int(r.split()[1]) for r in replies)
+        assert 503 in statuses and set(statuses) <= {408, 503}, replies
+        assert b"memory budget of 1048576 bytes (--memory-budget-mb)" in next(r for r in replies if b" 503 " in r)
+        assert 800_000 <= server.peak_buffered_bytes <= budget
+        _wait_for(lambda: server.open_connections == 0)
+        assert server.buffered_bytes == 0
+        assert _raw_http(port, _valid_request())[0] == 200  # the budget is free again
+
+
+def test_connections_over_the_bound_get_a_quick_503():
+    with serving_server(_zeros, max_connections=4, timeout=3) as (server, url):
+        port = server.server_address[1]
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+        try:
+            _wait_for(lambda: server.open_connections == 4)
+            start = time.monotonic()
+            status, body = _raw_http(port, _valid_request())
+            assert (status, "--max-connections" in body) == (503, True), body
+            assert time.monotonic() - start < 1.5
+        finally:
+            for sock in idle:
+                sock.close()
+        _wait_for(lambda: server.open_connections == 0)
+        out = build_reward([{"name": "remote", "url": url, "retries": 0}])(torch.rand(1, 3, 8, 8), ["a"])
+        assert out["total"].tolist() == [0.0]
+        assert server.refused_connections == 1
+
+
+# ---------------------------------------------------------------------------- several workers, several URLs
+def test_one_worker_per_reward_scores_requests_in_parallel():
+    # Each reward waits at a barrier for the other: the requests pass only if two workers score at the same time.
+    barrier = threading.Barrier(2, timeout=20)
+    seen = []
+
+    def worker_reward(name: str):
+        def reward(images, prompts, metadata=None):
+            seen.append(name)
+            barrier.wait()
+            return {"worker": torch.full((len(prompts),), float(name == "b"))}
+
+        return reward
+
+    with serving_server([worker_reward("a"), worker_reward("b")]) as (server, url):
+        with urllib.request.urlopen(url.replace("/score", "/health"), timeout=10) as r:
+            assert json.loads(r.read())["workers"] == 2
+        remote = build_reward([{"name": "remote", "url": [url, url], "batch_size": 1, "timeout": 30}])
+        out = remote(torch.rand(2, 3, 8, 8), ["x", "y"])
+        assert sorted(seen) == ["a", "b"] and server.scored == [1, 1]
+    assert sorted(out["remote"].tolist()) == [0.0, 1.0]
+
+
+def test_the_client_spreads_a_batch_over_several_urls():
+    calls = {"first": [], "second": []}
+
+    def recording(name: str):
+        def reward(images, prompts, metadata=None):
+            calls[name].append(list(prompts))
+            time.sleep(0.2)  # both URLs are busy at once
+            mean = images.mean(dim=(1, 2, 3))
+            return {"total": mean, "mean": mean, "server": torch.full((len(prompts),), float(name == "second"))}
+
+        return reward
+
+    images = torch.stack([torch.full((3, 8, 8), k / 255) for k in range(6)])  # exact in 8-bit PNG
+    prompts = [str(k) for k in range(6)]
+    with serving(recording("first")) as first, serving(recording("second")) as second:
+        out = build_reward([{"name": "remote", "url": [first, second]}])(images, prompts)  # one request per URL
+        assert sorted(map(len, calls["first"] + calls["second"])) == [3, 3]
+        assert calls["first"] and calls["second"]
+        assert torch.allclose(out["remote/mean"], images.mean(dim=(1, 2, 3)))  # in the batch's order
+        for name in calls:
+            calls[name].clear()
+        build_reward([{"name": "remote", "url": [first, second], "batch_size": 1}])(images, prompts)
+        assert calls["first"] and calls["second"]
+        assert sorted(calls["first"] + calls["second"]) == [[p] for p in prompts]
+    with serving(_zeros) as alive:
+        with serving(_zeros) as dead:
+            pass  # a closed port (taken by nothing else while alive holds its own)
+        remote = build_reward([{"name": "remote", "url": [alive, dead], "retries": 0, "timeout": 2}])
+        with pytest.raises(RewardError, match=re.escape(f"remote reward at {dead}: no answer")):
+            remote(torch.rand(2, 3, 8, 8), ["a", "b"])
+    with pytest.raises(ValueError, match="url is an empty list"):
+        build_reward([{"name": "remote", "url": []}])
 
 
 # ---------------------------------------------------------------------------- protocol: flowgrpo (pickle)
