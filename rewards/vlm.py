@@ -17,13 +17,27 @@ Options (``configs/sd35m_unifiedreward.yaml`` uses them; the judge is served sep
 - ``template``: a named template (below) or the text itself. ``{prompt}`` is replaced by the image's prompt; other
   braces are left as they are, so JSON examples in a template need no escaping. A named template also sets
   ``parser``, ``pattern`` and ``score_range`` unless those are given.
-- ``parser``: how a reply becomes a score.
-  ``number``: the first number in the reply's text;
+- ``parser``: how a reply becomes a score (every parser reads the reply as cleaned below).
+  ``number``: the number after the last score keyword (``score``, ``rating``, ``grade``, ``answer``, ``overall``,
+  ``rate it``, ``give it``..., case ignored; one qualified ``final`` / ``overall`` / ``total`` wins over the
+  others; the keyword may be followed by a parenthesis such as ``(1-10)``, by ``:``, ``=``, ``is``, ``of``, ``a``);
+  without a keyword, a reply that opens with a refusal (``I'm sorry``, ``I cannot``...) is unparsable, else the
+  number the reply starts with, else its last number. ``7/10``, ``7 out of 10`` and ``7 on a scale of 10`` read
+  as 7; a range ``7-8`` (or ``7 to 8``) reads as its midpoint after a keyword or at the reply's start, and is
+  skipped elsewhere (``on a 1-10 scale`` names the scale, not a score); a numbered list's markers
+  (``1.``, ``2.`` opening two or more lines) are not numbers.
   ``regex``: ``float`` of the one group of ``pattern`` (``re.search``, first match);
-  ``yes_no``: P(yes) from the first non-blank token's ``top_logprobs`` (the server is asked for ``logprobs``),
-  ``P(yes) / (P(yes) + P(no))`` summed over the tokens that read as ``yes_words`` / ``no_words`` (case, blanks and
-  trailing punctuation ignored); without log-probs (a server that does not return them) or when no such token is
-  among them, the text decides: 1.0 if it starts with a yes word, 0.0 for a no word.
+  ``yes_no``: P(yes) from the first token's ``top_logprobs`` (the server is asked for ``logprobs``; tokens that
+  are only blanks or markdown, such as ``**``, are passed over), ``P(yes) / (P(yes) + P(no))`` summed over the
+  tokens that read as ``yes_words`` / ``no_words`` (case, blanks, quotes, markdown and punctuation ignored);
+  when the server returns no log-probs, none of those tokens is among them, or the reply holds a reasoning block
+  (its first token is not the answer), the text decides: 1.0 if it starts with a yes word, 0.0 for a no word,
+  after an optional ``Answer:`` / ``The answer is`` / ``Final answer:`` / ``Verdict:``.
+  Cleaning: reasoning blocks go (``<think>...</think>``, also ``<thinking>`` / ``<reasoning>``; everything up to
+  a lone closing tag, as chat templates that open the block themselves produce; everything from an opening tag
+  that is never closed, i.e. a reply cut short while reasoning, which leaves nothing to parse); an
+  ``<answer>...</answer>`` block, when there is one, is all that is read (UnifiedReward-Think's format); markdown
+  emphasis (``*``, ``__``, backticks), heading and quote markers, ``$`` and ``\\boxed{...}`` are removed.
 - ``pattern``: the ``regex`` parser's pattern, with exactly one group.
 - ``score_range``: ``[low, high]``: a parsed number is rescaled to ``(x - low) / (high - low)``; one outside the
   range counts as unparsable. ``null`` keeps the number as it is. (``yes_no`` scores are probabilities already.)
@@ -44,9 +58,28 @@ Options (``configs/sd35m_unifiedreward.yaml`` uses them; the judge is served sep
   (the key itself never goes into a config); the variable must be set when the reward is built.
 - ``max_concurrency``: requests in flight at once (default 8); ``timeout``: seconds per attempt, from connecting
   to the reply's last byte (default 60); ``retries``: further attempts after a connection error, a timeout, HTTP
-  429 or any 5xx, waiting ``backoff * 2**attempt`` s between them (defaults 3 and 1.0). Other statuses (400: the
-  request is wrong, 404: no such model or path) are errors at once, naming the URL and the server's message, as is
-  a batch whose retries run out. ``batch_size``: images per call to the judge (all of them by default).
+  429 or any 5xx, waiting ``backoff * 2**attempt`` s between them (defaults 3 and 1.0).
+- ``deadline``: seconds one batch (the images of one ``score`` call: ``batch_size`` of them, or all) may take, all
+  its requests, retries and waits together; default ``timeout * (retries + 1)`` plus the waits (247 s with the
+  defaults), so a hung judge costs one request's worth of attempts, not one per wave of ``max_concurrency``
+  images. When it passes, the requests in flight are abandoned (their connections shut) and those not yet sent
+  are never sent; their images count as failed. Raise it (or ``max_concurrency``) when a slow but healthy judge
+  needs longer for a batch.
+- ``on_error``: what a failed request does: one that ran out of retries (or of the deadline), or that the server
+  refused with a 4xx other than 401, 403, 404 and 429 (e.g. a prompt too long for the model's context).
+  ``nan`` (default): its image scores NaN, a warning counts the failures per batch (``request_failures`` counts
+  them all), and the trainer's ``grpo.nan_policy`` decides (``drop``: those groups are left out; a run whose
+  every group fails stops after ``run.max_empty_epochs``). ``raise``: the batch fails at the first failure; the
+  requests in flight are abandoned and nothing more is sent. Whatever ``on_error`` says, errors that concern
+  every request fail the batch at once: HTTP 401 / 403 (the API key), 404 (no such model or path), and a reply
+  that is not a chat completion (invalid JSON, no ``choices``), each naming the URL and the server's message.
+- ``probe``: when the reward is built, send one cheap request, a 224 × 224 grey image (Qwen-VL processors refuse
+  images under 28 pixels a side) with the template and ``max_tokens: 1``, the real request's shape otherwise
+  (``extra_body`` included), and fail there, before the first rollout, if the judge is unreachable, does not
+  serve ``model``, refuses the key or the request, or does not answer in the chat-completions format; the error
+  names the URL and the fix. Default true; ``false`` skips it (a judge that is started later). It obeys
+  ``timeout``, ``retries`` and ``deadline``; each process of a multi-GPU run sends its own.
+- ``batch_size``: images per call to the judge (all of them by default).
 
 Named templates:
 
@@ -60,11 +93,25 @@ Named templates:
   elements as ``element (type): 0/1``), parsed the same way.
 - ``yes_no``: ``Does this image match the description "{prompt}"? Answer Yes or No.``, parser ``yes_no``.
 - ``rating``: a 0-10 rating of prompt alignment and quality, number only, parser ``number``, range ``[0, 10]``.
+
+Where this follows the references and where it differs. Flow-GRPO's ``unifiedreward_score_sglang`` matches its
+regex on the raw reply (``re.search``, first match) and scores a reply without a match 0; the regex here is the
+same and also takes the first match, but on the cleaned reply, so ``**Final Score:** 4`` and ``Final Score: **4**``
+(markdown) and a ``<think>`` draft before the answer score as the judge meant instead of 0, and an unparsable
+reply is NaN unless ``parse_failure_score: 0``. Flow-GRPO sends a batch's requests all at once
+(``asyncio.gather``) through the OpenAI client (600 s timeout, 2 retries) and one failure fails the batch, as
+``on_error: raise`` does; UnifiedReward's own vLLM client (``inference_qwen/UnifiedReward-2.0-inference/
+vllm_request.py``) retries each request 3 times and records a request that still fails as failed, for that item
+only, as ``on_error: nan`` does. Reasoning judges' replies are read after ``</think>``, as parsers for chat
+templates that open the block themselves do (``(.*?)</think>``), and UnifiedReward-Think's are read from
+``<answer>``; neither reference parses a free-form number (their templates fix the format), so the ``number``
+parser's rules above are this module's own.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import difflib
 import http.client
 import io
@@ -73,9 +120,12 @@ import logging
 import math
 import os
 import re
+import socket
+import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import urllib.parse
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,12 +136,16 @@ from torch import Tensor
 
 from .base import BaseReward, to_uint8_hwc
 from .registry import register_reward
-from .remote import RemoteRewardError, _parse_url, _positive, _post_once
+from .remote import RemoteRewardError, _parse_url, _positive
 
 logger = logging.getLogger("rewards.vlm")
 PARSERS = ("number", "yes_no", "regex")
 IMAGE_FORMATS = ("png", "jpeg")
-_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+ON_ERROR = ("nan", "raise")
+MAX_REPLY_BYTES = 16 * 2**20  # a chat completion is a few KiB; a bigger reply is not from a judge
+PROBE_PROMPT = "a grey square"  # the start-up check's prompt, with a grey image and max_tokens 1
+PROBE_SIZE = 224  # pixels a side: above any VLM's minimum (Qwen-VL: 28), a few hundred bytes as PNG
+_FATAL_STATUS = (401, 403, 404)  # the key or the model/path is wrong: every request would fail alike
 
 
 @dataclass(frozen=True)
@@ -144,7 +198,26 @@ TEMPLATES: dict[str, Template] = {
 
 
 class VlmRewardError(RemoteRewardError):
-    """The judge could not be reached, refused a request, or answered outside the chat-completions format."""
+    """The judge could not be reached, refused a request, or answered outside the chat-completions format;
+    ``status``: the HTTP status of the reply that caused it, when there was one."""
+
+    def __init__(
+        self, message: str, *, reward: str | None = None, batch: int | None = None, status: int | None = None
+    ) -> None:
+        super().__init__(message, reward=reward, batch=batch)
+        self.status = status
+
+
+class _RequestFailed(Exception):
+    """One image's request failed (out of retries or of the deadline, or refused): NaN or the batch fails."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Abandoned(_RequestFailed):
+    """A request the batch's stop ended (or kept from being sent): a consequence, not a failure of its own."""
 
 
 def _chat_target(url: str) -> Any:
@@ -170,9 +243,210 @@ def _range(value: Any) -> tuple[float, float] | None:
     raise ValueError(f"vlm: score_range must be [low, high] with finite low < high, or null; got {value!r}")
 
 
+# ---------------------------------------------------------------------------- one batch's requests
+class _Batch:
+    """What the requests of one ``score`` call share: its deadline, and a stop that ends them all at once.
+
+    ``stop`` shuts every open connection down (a blocked read or write ends at once) and keeps any request from
+    being sent or retried afterwards."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+        self.stopped = threading.Event()
+        self._aborts: set[Callable[[], None]] = set()
+        self._lock = threading.Lock()
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped.set()
+            aborts = list(self._aborts)
+        for abort in aborts:
+            abort()
+
+    def add(self, abort: Callable[[], None]) -> bool:
+        """Register a request's abort; False once the batch has stopped (the request must not be sent)."""
+        with self._lock:
+            if self.stopped.is_set():
+                return False
+            self._aborts.add(abort)
+            return True
+
+    def discard(self, abort: Callable[[], None]) -> None:
+        with self._lock:
+            self._aborts.discard(abort)
+
+
+def _request(
+    method: str,
+    target: urllib.parse.SplitResult,
+    body: bytes | None,
+    seconds: float,
+    headers: dict[str, str],
+    batch: _Batch | None = None,
+) -> tuple[int, bytes]:
+    """One HTTP request, (status, reply body), within ``seconds`` of wall-clock time, or ended by ``batch.stop()``.
+
+    A socket timeout bounds each read only (a server that drips bytes could hold a read loop forever), so a timer
+    shuts the socket down at the deadline instead, as ``batch.stop()`` does; either ends any blocked call at once.
+    Raises ``TimeoutError`` then, and ``OSError`` / ``http.client.HTTPException`` for the connection's failures."""
+    cls = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
+    connection = cls(target.hostname, target.port, timeout=max(seconds, 0.001))
+    ended, sockets = threading.Event(), []
+
+    def abort() -> None:
+        ended.set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def check_time() -> None:
+        if ended.is_set():
+            stopped = batch is not None and batch.stopped.is_set()
+            raise TimeoutError("the batch was stopped" if stopped else f"no complete reply within {seconds:.3g} s")
+
+    if batch is not None and not batch.add(abort):
+        raise TimeoutError("the batch was stopped")
+    timer = threading.Timer(seconds, abort)
+    timer.daemon = True
+    timer.start()
+    path = (target.path or "/") + (f"?{target.query}" if target.query else "")
+    try:
+        connection.connect()
+        sockets.append(connection.sock)  # kept: http.client drops its reference once a reply says it will close
+        check_time()  # an abort between connect() and the line above found no socket to shut
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        if response.length is not None and response.length > MAX_REPLY_BYTES:
+            raise http.client.HTTPException(f"reply of {response.length} bytes; a chat completion is far smaller")
+        data = response.read(MAX_REPLY_BYTES + 1)
+        check_time()  # a socket shut down at the deadline reads as an early end of the reply
+        if len(data) > MAX_REPLY_BYTES or (response.length is not None and response.length > 0):
+            raise http.client.HTTPException(f"reply cut short or longer than {MAX_REPLY_BYTES} bytes")
+        return response.status, data
+    except (OSError, http.client.HTTPException):
+        check_time()
+        raise
+    finally:
+        timer.cancel()
+        if batch is not None:
+            batch.discard(abort)
+        connection.close()
+
+
+# ---------------------------------------------------------------------------- reading replies
+_REASONING_TAG = re.compile(r"<(/?)(?:think|thinking|reasoning)\s*>", re.IGNORECASE)
+_ANSWER_TAG = re.compile(r"<(/?)answer\s*>", re.IGNORECASE)
+_BOXED = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+_EMPHASIS = re.compile(r"\*+|__+|`+|\$")
+_LINE_MARKER = re.compile(r"^[ \t]*(?:#{1,6}[ \t]*|>[ \t]?)+", re.MULTILINE)  # headings, quotes
+_LIST_MARKER = re.compile(r"^[ \t]*\d{1,2}[.)][ \t]+(?=\S)", re.MULTILINE)
+_NUM = r"-?(?:\d++(?:\.\d++)?|\.\d++)"
+_UNSIGNED = r"(?:\d++(?:\.\d++)?|\.\d++)"
+# One value: a number, a range "7-8" / "7 to 8" (group b), and what only names the scale: "/10", "out of 10",
+# "on a scale of 10" / "of 1 to 10" (consumed, not read).
+_VALUE = (
+    rf"(?<![\w.\-])(?P<a>{_NUM})(?![\w]|\.\d)"
+    rf"(?:\s*+(?:-|–|—|\bto\b)\s*+(?P<b>{_UNSIGNED})(?![\w]|\.\d))?"
+    rf"(?:\s*+(?:/|\bout\s++of\b|\bon\s++a\s++scale\s++(?:of|from)\b)\s*+"
+    rf"(?:{_UNSIGNED}\s*+(?:-|–|\bto\b)\s*+)?{_UNSIGNED}(?![\w]|\.\d))?"
+)
+_VALUES = re.compile(_VALUE, re.IGNORECASE)
+_KEYWORD = re.compile(  # possessive blanks (*+): a long run of them cannot make the match backtrack
+    r"\b(?P<qual>final|overall|total)?\s*+"
+    r"(?:score[ds]?|rating|grade|answer|verdict|overall|"
+    r"(?:rate[ds]?|rating|give[ns]?|giving|gave|assign(?:ed)?)\s++(?:it|this(?:\s++image)?|the\s++image))\b"
+    r"[\"']?\s*+(?:\([^)\n]{0,40}\))?\s*+[\"']?\s*+"
+    r"(?:[:=]|-(?=\s)|\bis\b|\bof\b|\bas\b|\bat\b|\bwould\s++be\b)?\s*+[\"']?\s*+(?:\b(?:a|an)\s++)?" + _VALUE,
+    re.IGNORECASE,
+)
+_REFUSAL = re.compile(
+    r"^\W*(?:i'?m\s+sorry|sorry|i\s+(?:can\s*not|can'?t|cannot|am\s+(?:not\s+)?(?:unable|able)|'m\s+unable)|"
+    r"i\s+won'?t|unable\s+to|as\s+an\s+ai)\b",
+    re.IGNORECASE,
+)
+_ANSWER_PREFIX = re.compile(
+    r"^[\W_]*(?:(?:the|my)\s+)?(?:final\s+)?(?:answer|verdict|judge?ment|response)\s*(?:is)?\s*[:\-]?[\W_]*",
+    re.IGNORECASE,
+)
+
+
+def clean_reply(text: str) -> str:
+    """A reply as the parsers read it: reasoning blocks, markdown and ``\\boxed{}`` gone (see the module doc)."""
+    kept: list[str] = []
+    position, opened = 0, False  # one pass over the tags: linear in the reply, whatever its tags
+    for tag in _REASONING_TAG.finditer(text):
+        if not tag.group(1):  # <think>: what came before it is kept
+            if not opened:
+                kept.append(text[position : tag.start()])
+                opened = True
+        else:  # </think>: the block ends; with no <think> before it, the chat template opened it
+            if not opened:
+                kept = []
+            position, opened = tag.end(), False
+    if not opened:  # else never closed: the reply ended while reasoning, the rest is dropped
+        kept.append(text[position:])
+    text = " ".join(kept)
+    answer, start = None, None
+    for tag in _ANSWER_TAG.finditer(text):
+        if not tag.group(1):
+            start = tag.end()
+        elif start is not None:
+            answer, start = text[start : tag.start()], None
+    if answer is not None:  # the last complete <answer>...</answer>
+        text = answer
+    text = _BOXED.sub(r"\1", text)
+    text = _EMPHASIS.sub("", text)
+    text = _LINE_MARKER.sub("", text)
+    return text.strip()
+
+
+def _value_of(match: re.Match[str], *, ranges: bool) -> float | None:
+    """A ``_VALUE`` match as a number: ``a``, or the midpoint of a range ``a``-``b`` (None if ranges are not
+    read here)."""
+    low = float(match.group("a"))
+    if match.group("b") is None:
+        return low
+    if not ranges:
+        return None
+    high = float(match.group("b"))
+    return (low + high) / 2 if high > low else low
+
+
+def parse_number(text: str) -> float | None:
+    """The ``number`` parser on a reply's text (cleaned here): the score, or None (rules in the module doc)."""
+    text = clean_reply(text)
+    keyed = list(_KEYWORD.finditer(text))
+    if keyed:
+        qualified = [m for m in keyed if m.group("qual")]
+        return _value_of((qualified or keyed)[-1], ranges=True)
+    if _REFUSAL.match(text):
+        return None
+    if len(_LIST_MARKER.findall(text)) >= 2:  # "1. ...\n2. ...": list markers, not scores
+        text = _LIST_MARKER.sub("", text)
+    values = list(_VALUES.finditer(text))
+    if values and values[0].start() == 0:
+        return _value_of(values[0], ranges=True)
+    for match in reversed(values):
+        value = _value_of(match, ranges=False)
+        if value is not None:
+            return value
+    return None
+
+
+def _starts_with(text: str, words: tuple[str, ...]) -> bool:
+    return any(re.match(rf"{re.escape(word)}(?![\w])", text) for word in words)
+
+
+# ---------------------------------------------------------------------------- the reward
 @register_reward("vlm")
 class VlmReward(BaseReward):
-    """Scores each image with a VLM judge over OpenAI-compatible ``/chat/completions``; options in the module doc."""
+    """Scores each image with a VLM judge over OpenAI-compatible ``/chat/completions``; options in the module doc.
+
+    Building it probes the judge once (``probe``); each ``score`` call (one batch) ends within ``deadline``
+    seconds, a failed request scoring NaN or failing the batch (``on_error``)."""
 
     def __init__(
         self,
@@ -199,6 +473,9 @@ class VlmReward(BaseReward):
         timeout: float = 60.0,
         retries: int = 3,
         backoff: float = 1.0,
+        deadline: float | None = None,
+        on_error: str = "nan",
+        probe: bool = True,
         batch_size: int | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
@@ -265,10 +542,27 @@ class VlmReward(BaseReward):
             raise ValueError(
                 f"vlm: need retries >= 0, timeout > 0 and backoff >= 0; got {retries!r}, {timeout!r}, {backoff!r}"
             )
+        if deadline is not None and not _positive(deadline):
+            raise ValueError(
+                f"vlm: deadline must be the seconds one batch may take (> 0), or null for timeout * (retries + 1) "
+                f"plus the backoff waits; got {deadline!r}"
+            )
+        if on_error not in ON_ERROR:
+            raise ValueError(
+                f"vlm: on_error must be 'nan' (a failed request scores NaN, for grpo.nan_policy) or 'raise' (it "
+                f"fails the batch); got {on_error!r}"
+            )
+        if not isinstance(probe, bool):
+            raise ValueError(
+                f"vlm: probe must be true (check the judge when the reward is built) or false; got {probe!r}"
+            )
         self.parse_failure_score = math.nan if parse_failure_score is None else float(parse_failure_score)
         self.system_prompt, self.image_format, self.jpeg_quality = system_prompt, image_format, jpeg_quality
         self.image_size, self.max_concurrency = image_size, max_concurrency
         self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)
+        waits = sum(self.backoff * 2**i for i in range(self.retries))
+        self.deadline = float(deadline) if deadline is not None else self.timeout * (self.retries + 1) + waits
+        self.on_error = on_error
         self._request_fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": float(temperature)}
         if self.parser == "yes_no":
             self._request_fields.update(logprobs=True, top_logprobs=top_logprobs)
@@ -280,6 +574,9 @@ class VlmReward(BaseReward):
                 raise ValueError(f"vlm: api_key_env names {api_key_env!r}, but that environment variable is not set")
             self._headers["Authorization"] = f"Bearer {key}"
         self.parse_failures = 0  # replies scored parse_failure_score so far (all batches)
+        self.request_failures = 0  # requests that failed and scored NaN (on_error: nan) so far
+        if probe:
+            self.probe()
 
     # ------------------------------------------------------------------ requests
     def request_body(self, pixels_hwc: np.ndarray, prompt: str) -> dict[str, Any]:
@@ -301,62 +598,136 @@ class VlmReward(BaseReward):
         messages.append({"role": "user", "content": content})
         return {"model": self.model, "messages": messages, **self._request_fields}
 
-    def _ask(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One request with its retries; the decoded reply."""
+    def probe(self) -> None:
+        """The start-up check: one request shaped as the real ones (a grey ``PROBE_SIZE``² image, ``max_tokens: 1``).
+
+        Raises ``VlmRewardError`` naming the URL and the fix when the judge is unreachable, refuses the request
+        or the key, serves no such model, or answers outside the chat-completions format."""
+        body = self.request_body(np.full((PROBE_SIZE, PROBE_SIZE, 3), 128, dtype=np.uint8), PROBE_PROMPT)
+        body["max_tokens"] = 1
+        try:
+            reply = self._ask(body, _Batch(self.deadline))
+            self._choice(reply)
+        except (_RequestFailed, VlmRewardError) as err:
+            detail = str(err).removeprefix(f"vlm judge at {self.url}").lstrip(":").strip().rstrip(".")
+            raise VlmRewardError(
+                f"vlm judge at {self.url} failed its start-up check (one request for model {self.model!r}, sent "
+                f"when the reward is built, before the first rollout): {detail}. {self._probe_hint(err)} Or set "
+                "probe: false in this reward's options to skip the check.",
+                reward=self.name,
+            ) from None
+
+    def _probe_hint(self, err: Exception) -> str:
+        status = getattr(err, "status", None)
+        if status == 404:
+            served = self._served_models()
+            listed = f" The server lists: {', '.join(served)}." if served else ""
+            return (
+                "Check url (an OpenAI base URL such as http://host:port/v1) and model (the name the server serves; "
+                f"vLLM: --served-model-name).{listed}"
+            )
+        if status in (401, 403):
+            return "Set api_key_env to the name of the environment variable that holds the server's API key."
+        if status is not None and status < 500 and status != 429:
+            return (
+                "The server refused the request: check model, extra_body, top_logprobs (vLLM: at most its "
+                "--max-logprobs) and that the model takes images."
+            )
+        if status is not None:
+            return "The server is up but failing: see its log."
+        if isinstance(err, _RequestFailed):
+            return (
+                "Start the judge first (e.g. vllm serve <model> --port <port>, or sglang's launch_server) and wait "
+                "until it answers, and check url (http://host:port/v1)."
+            )
+        return "Is url an OpenAI-compatible chat endpoint (vLLM, sglang)?"
+
+    def _served_models(self) -> list[str]:
+        """The model names ``GET .../models`` lists (OpenAI's format), or [] when that fails."""
+        path = self._target.path.removesuffix("/chat/completions") + "/models"
+        try:
+            status, data = _request("GET", self._target._replace(path=path), None, self.timeout, self._headers)
+            entries = json.loads(data).get("data") if status == 200 else None
+            return [str(e["id"]) for e in entries if isinstance(e, dict) and "id" in e][:20]
+        except Exception:  # a hint only
+            return []
+
+    def _ask(self, body: dict[str, Any], batch: _Batch) -> dict[str, Any]:
+        """One request with its retries, within the batch's deadline; the decoded reply.
+
+        Raises ``_RequestFailed`` for this image's failure (retries or deadline spent, a 4xx refusal) and
+        ``VlmRewardError`` for what concerns every request (401 / 403 / 404, a reply that is no JSON object)."""
         data_out = json.dumps(body).encode("utf-8")
-        last, attempts = "no attempt made", self.retries + 1
+        last, last_status, attempts, made = "no attempt made", None, self.retries + 1, 0
         for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+            if attempt and batch.stopped.wait(max(min(self.backoff * 2 ** (attempt - 1), batch.left()), 0)):
+                break
+            left = batch.left()
+            if left <= 0 or batch.stopped.is_set():
+                break
+            made += 1
             try:
-                status, data = _post_once(self._target, data_out, self.timeout, headers=self._headers)
+                status, data = _request("POST", self._target, data_out, min(self.timeout, left), self._headers, batch)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, garbled
-                last = f"{type(err).__name__}: {err}"
+                if batch.stopped.is_set():
+                    break
+                last, last_status = f"{type(err).__name__}: {err}", None
             else:
                 if status == 200:
-                    try:
-                        reply = json.loads(data)
-                    except (ValueError, RecursionError) as err:
-                        raise VlmRewardError(f"vlm judge at {self.url} sent invalid JSON ({err})") from None
-                    if not isinstance(reply, dict):
-                        raise VlmRewardError(f"vlm judge at {self.url} sent {type(reply).__name__}, not an object")
-                    return reply
+                    return self._decode(data)
                 detail = _error_message(data)
-                if status != 429 and status < 500:
+                if status in _FATAL_STATUS:
                     raise VlmRewardError(
                         f"vlm judge at {self.url} answered HTTP {status}: {detail} (model {self.model!r})",
                         reward=self.name,
+                        status=status,
                     )
-                last = f"HTTP {status}: {detail}"
+                if status != 429 and status < 500:  # this request is refused (too long a prompt, ...): no retry
+                    raise _RequestFailed(f"HTTP {status}: {detail}", status)
+                last, last_status = f"HTTP {status}: {detail}", status
             logger.warning("vlm judge %s: attempt %d/%d failed: %s", self.url, attempt + 1, attempts, last)
-        raise VlmRewardError(
-            f"vlm judge at {self.url}: no answer after {attempts} attempt(s) ({self.timeout:g} s each); last error: "
-            f"{last}. Is the server (vLLM, sglang) running and serving {self.model!r}?",
-            reward=self.name,
+        if batch.stopped.is_set():
+            raise _Abandoned("abandoned: the batch was stopped")
+        raise _RequestFailed(
+            f"no answer after {made} attempt(s) ({self.timeout:g} s each, {self.deadline:g} s in all); last error: "
+            f"{last}",
+            last_status,
         )
 
+    def _decode(self, data: bytes) -> dict[str, Any]:
+        try:
+            reply = json.loads(data)
+        except (ValueError, RecursionError) as err:
+            raise VlmRewardError(f"vlm judge at {self.url} sent invalid JSON ({err})", reward=self.name) from None
+        if not isinstance(reply, dict):
+            raise VlmRewardError(
+                f"vlm judge at {self.url} sent {type(reply).__name__}, not an object", reward=self.name
+            )
+        return reply
+
     # ------------------------------------------------------------------ parsing
-    def parse(self, reply: dict[str, Any]) -> float | None:
-        """The score of one chat-completions reply, or None when it cannot be parsed."""
+    def _choice(self, reply: dict[str, Any]) -> dict[str, Any]:
         choices = reply.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise VlmRewardError(f"vlm judge at {self.url}: reply has no choices: {str(reply)[:300]}")
-        choice = choices[0]
+            raise VlmRewardError(f"vlm judge at {self.url}: reply has no choices: {str(reply)[:300]}", reward=self.name)
+        return choices[0]
+
+    def parse(self, reply: dict[str, Any]) -> float | None:
+        """The score of one chat-completions reply, or None when it cannot be parsed (rules in the module doc)."""
+        choice = self._choice(reply)
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         text = message.get("content") if isinstance(message.get("content"), str) else ""
         if self.parser == "yes_no":
             return self._yes_probability(choice.get("logprobs"), text)
         if self.parser == "number":
-            match = _NUMBER.search(text)
-            raw = match.group(0) if match else None
+            value = parse_number(text)
         else:
-            match = self.pattern.search(text)
-            raw = match.group(1) if match else None
-        try:
-            value = float(raw) if raw is not None else math.nan
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
+            match = self.pattern.search(clean_reply(text))
+            try:
+                value = float(match.group(1)) if match else None
+            except (TypeError, ValueError):
+                value = None
+        if value is None or not math.isfinite(value):
             return None
         if self.score_range is not None:
             low, high = self.score_range
@@ -367,7 +738,9 @@ class VlmReward(BaseReward):
 
     def _yes_probability(self, logprobs: Any, text: str) -> float | None:
         tokens = logprobs.get("content") if isinstance(logprobs, dict) else None
-        first = next((t for t in tokens or [] if isinstance(t, dict) and _norm(t.get("token"))), None)
+        reasoning = _REASONING_TAG.search(text)
+        answer_tokens = [] if reasoning else [t for t in tokens or [] if isinstance(t, dict) and _norm(t.get("token"))]
+        first = answer_tokens[0] if answer_tokens else None
         if first is not None:
             p_yes = p_no = 0.0
             alternatives = first.get("top_logprobs") or [first]
@@ -381,41 +754,100 @@ class VlmReward(BaseReward):
                     p_no += math.exp(alt["logprob"])
             if p_yes + p_no > 0:
                 return p_yes / (p_yes + p_no)
-        words = text.strip().split(maxsplit=1)
-        word = _norm(words[0]) if words else ""
-        return 1.0 if word in self.yes_words else 0.0 if word in self.no_words else None
+        answer = _ANSWER_PREFIX.sub("", clean_reply(text), count=1).lower()
+        answer = re.sub(r"^[\W_]+", "", answer)
+        return 1.0 if _starts_with(answer, self.yes_words) else 0.0 if _starts_with(answer, self.no_words) else None
 
     # ------------------------------------------------------------------ scoring
     def score(self, images: Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Tensor:
+        """One batch, within ``deadline`` seconds: a score per image (NaN for a failed request with
+        ``on_error: nan``; ``parse_failure_score`` for an unparsable reply); raises ``VlmRewardError`` otherwise."""
         pixels = to_uint8_hwc(images)
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts)), thread_name_prefix="vlm") as pool:
-            futures = [pool.submit(self._judge, p, prompt) for p, prompt in zip(pixels, prompts, strict=True)]
-            try:
-                results = [f.result() for f in futures]
-            except BaseException:
-                for f in futures:  # the first failure ends the batch: do not send what has not started
-                    f.cancel()
-                raise
-        failed = [i for i, (value, _) in enumerate(results) if value is None]
-        if failed:
-            self.parse_failures += len(failed)
+        batch = _Batch(self.deadline)
+        results: list[tuple[float | None, str] | None] = [None] * len(prompts)
+        failures: dict[int, _RequestFailed] = {}
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(prompts)), thread_name_prefix="vlm")
+        try:
+            futures: dict[Future, int] = {
+                pool.submit(self._judge, p, prompt, batch): i
+                for i, (p, prompt) in enumerate(zip(pixels, prompts, strict=True))
+            }
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=max(batch.left(), 0), return_when=FIRST_COMPLETED)
+                if not done:  # the deadline: what is in flight is abandoned, what is queued never sent
+                    late = _RequestFailed(f"no reply within the deadline of {self.deadline:g} s")
+                    failures.update((futures[future], late) for future in pending)
+                    break
+                for future in done:
+                    try:
+                        results[futures[future]] = future.result()
+                    except _Abandoned:  # ended by the stop another request's failure caused
+                        pass
+                    except _RequestFailed as err:
+                        failures[futures[future]] = err
+                if failures and self.on_error == "raise":
+                    break
+        finally:
+            batch.stop()  # in-flight connections shut, nothing more sent or retried
+            pool.shutdown(wait=False, cancel_futures=True)
+        if failures:
+            first = min(failures)
+            if self.on_error == "raise":
+                status = failures[first].status
+                hint = (
+                    f"Is the server (vLLM, sglang) running and serving {self.model!r}, and is deadline "
+                    f"({self.deadline:g} s) long enough for {len(prompts)} images, {self.max_concurrency} at a time?"
+                    if status is None
+                    else "The server is up but failing: see its log."
+                    if status == 429 or status >= 500
+                    else "The server refused this request."
+                )
+                raise VlmRewardError(
+                    f"vlm judge at {self.url}: the request for prompt {prompts[first]!r} failed: {failures[first]}. "
+                    f"on_error: raise fails the whole batch; on_error: nan scores such an image NaN instead (for "
+                    f"grpo.nan_policy). {hint}",
+                    reward=self.name,
+                )
+            self.request_failures += len(failures)
+            logger.warning(
+                "vlm judge %s: %d of %d requests failed, scored NaN (on_error: nan); first, for prompt %r: %s",
+                self.url,
+                len(failures),
+                len(prompts),
+                prompts[first],
+                failures[first],
+            )
+        unparsed = [i for i, r in enumerate(results) if r is not None and r[0] is None]
+        if unparsed:
+            self.parse_failures += len(unparsed)
             logger.warning(
                 "vlm judge %s: %d of %d replies could not be parsed by the '%s' parser (scored %s); first, for "
                 "prompt %r: %r",
                 self.url,
-                len(failed),
+                len(unparsed),
                 len(results),
                 self.parser,
                 self.parse_failure_score,
-                prompts[failed[0]],
-                results[failed[0]][1][:200],
+                prompts[unparsed[0]],
+                results[unparsed[0]][1][:200],
             )
-        scores = [self.parse_failure_score if value is None else value for value, _ in results]
+        scores = [math.nan if r is None else self.parse_failure_score if r[0] is None else r[0] for r in results]
         return torch.tensor(scores, dtype=torch.float64)
 
-    def _judge(self, pixels_hwc: np.ndarray, prompt: str) -> tuple[float | None, str]:
-        reply = self._ask(self.request_body(pixels_hwc, prompt))
-        value = self.parse(reply)
+    def _judge(self, pixels_hwc: np.ndarray, prompt: str, batch: _Batch) -> tuple[float | None, str]:
+        if batch.stopped.is_set():  # queued when the batch ended: never sent
+            raise _Abandoned("the batch was stopped before this request was sent")
+        try:
+            reply = self._ask(self.request_body(pixels_hwc, prompt), batch)
+            value = self.parse(reply)
+        except _RequestFailed:
+            if self.on_error == "raise":  # stopped here, before this worker can take the next image
+                batch.stop()
+            raise
+        except Exception:  # fails the batch whatever on_error says
+            batch.stop()
+            raise
         try:
             text = str(reply["choices"][0]["message"]["content"])
         except (KeyError, IndexError, TypeError):
@@ -423,7 +855,7 @@ class VlmReward(BaseReward):
         return value, text
 
     def __repr__(self) -> str:
-        return f"VlmReward(url={self.url!r}, model={self.model!r}, parser={self.parser!r})"
+        return f"VlmReward(url={self.url!r}, model={self.model!r}, parser={self.parser!r}, on_error={self.on_error!r})"
 
 
 def _count(value: Any) -> bool:
@@ -431,10 +863,11 @@ def _count(value: Any) -> bool:
 
 
 def _norm(token: Any) -> str:
-    """A token or word as the yes/no parser compares it: no blanks, BPE space markers or trailing punctuation."""
+    """A token or word as the yes/no parser compares it: no blanks, BPE space markers, quotes, markdown or
+    punctuation around it, lower case."""
     if not isinstance(token, str):
         return ""
-    return token.strip().strip("Ġ▁").strip().rstrip(".,!:;").lower()
+    return token.strip().strip("Ġ▁Ċ").strip(" \t\r\n*_`#\"'.,!?:;()[]").lower()
 
 
 def _words(option: str, words: Any) -> tuple[str, ...]:
