@@ -523,9 +523,13 @@ def load_request_pickle(body: bytes) -> dict[str, Any]:
         item = stack.pop()
         if not isinstance(item, _PLAIN_TYPES):
             raise RequestError(f"malformed request: the pickle holds a {type(item).__name__}; {fix}")
-        if isinstance(item, dict | list | tuple) and id(item) not in seen:
+        if isinstance(item, dict | list | tuple) and id(item) not in seen:  # ids of objects the request keeps alive
             seen.add(id(item))
-            stack.extend(item.items() if isinstance(item, dict) else item)
+            if isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            else:
+                stack.extend(item)
     if not isinstance(request, dict):
         raise RequestError(f"malformed request: the pickle is a {type(request).__name__}, not a dict")
     return request

@@ -2,6 +2,7 @@
 
 import base64
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -30,6 +31,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from rewards import NonFiniteRewardError, RemoteRewardError, RewardError, build_reward, make_reward_server
 from rewards.base import to_uint8_hwc
+from rewards.remote import load_reply_pickle
 
 ROOT = Path(__file__).resolve().parents[1]
 OPEN_CLIP_TINY = {
@@ -107,16 +109,40 @@ def test_reward_server_script_matches_in_process_scores():
     images = torch.stack([render(t) for t in texts] + [torch.ones(3, 256, 256)])
     prompts = [f'a sign that says "{t}"' for t in texts] + ['a sign that says "blank"']
     local = build_reward({"ocr": 1.0, "jpeg_compressibility": 0.5})(images, prompts)
-    with server_process("--reward", "ocr=1.0", "--reward", "jpeg_compressibility=0.5") as url:
+    args = ("--reward", "ocr=1.0", "--reward", "jpeg_compressibility=0.5", "--devices", "cpu,cpu")
+    with server_process(*args, "--flowgrpo-protocol") as url:
         with urllib.request.urlopen(url.replace("/score", "/health"), timeout=10) as r:
-            assert json.loads(r.read())["status"] == "ok"
-        remote = build_reward([{"name": "remote", "url": url, "batch_size": 3, "key": "server"}])
+            health = json.loads(r.read())
+        assert (health["status"], health["workers"], health["protocols"]) == ("ok", 2, ["json", "flowgrpo"])
+        remote = build_reward([{"name": "remote", "url": [url, url], "batch_size": 2, "key": "server"}])
         out = remote(images, prompts)
+        flowgrpo = {"name": "remote", "protocol": "flowgrpo", "url": url.removesuffix("/score"), "trust_pickle": True}
+        jpeg = build_reward([flowgrpo])(images, prompts)["remote"]  # "outputs": the total, on JPEG-75 images
+        assert torch.allclose(jpeg, local["total"], atol=0.1), (jpeg, local["total"])  # JPEG barely moves them
     assert set(out) == {"server", "server/ocr", "server/jpeg_compressibility", "total"}
     assert torch.equal(out["server/ocr"], local["ocr"])  # PNG is lossless for 8-bit images
     assert torch.equal(out["server/jpeg_compressibility"], local["jpeg_compressibility"])
     assert torch.equal(out["server"], local["total"]) and torch.equal(out["total"], local["total"])
     assert local["ocr"][:3].min() >= 0.95 and local["ocr"][3] == 0.0
+
+
+def test_reward_server_devices_flag(capsys):
+    spec = importlib.util.spec_from_file_location("reward_server_script", ROOT / "scripts" / "reward_server.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.parse_devices("cpu, cpu", None) == ["cpu", "cpu"] and script.parse_devices(None, None) == ["cpu"]
+    cases = [
+        (["--devices", "99"], "--devices 99: a count means cuda:0 .. cuda:98"),
+        (["--devices", "cpu,,cpu"], "comma-separated"),
+        (["--devices", "gpu0"], "'gpu0' is not a device"),
+        (["--device", "cpu", "--devices", "cpu,cpu"], "give --device or --devices, not both"),
+        (["--memory-budget-mb", "1", "--max-request-mb", "2"], "below max_request_mb (--max-request-mb, 2)"),
+        (["--max-connections", "0"], "--max-connections"),
+    ]
+    for argv, words in cases:
+        assert script.main(["--reward", "brightness", *argv]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert words in err and err.count("error:") == 1 and "Traceback" not in err, err
 
 
 def test_npz_transport_is_lossless_for_float_models():
@@ -763,3 +789,124 @@ def test_flowgrpo_protocol_errors_refusals_and_hostile_replies():
         build_reward([{"name": "remote", "url": "http://127.0.0.1:1/score", "trust_pickle": True}])
     with pytest.raises(ValueError, match="protocol must be one of json, flowgrpo"):
         build_reward([{"name": "remote", "url": "http://127.0.0.1:1/score", "protocol": "pickle"}])
+
+
+# ---------------------------------------------------------------------------- the server speaking Flow-GRPO's protocol
+def _geneval_like(images, prompts, metadata=None):
+    """Scores shaped as build_reward's geneval: a weighted total, strict and non-strict accuracies."""
+    brightness = images.mean(dim=(1, 2, 3))
+    return {
+        "total": brightness,
+        "geneval": brightness,
+        "geneval/strict_accuracy": (brightness > 0.5).float(),
+        "geneval/accuracy": (brightness > 0.25).float(),
+    }
+
+
+def _jpegs(images: torch.Tensor) -> list[bytes]:
+    """JPEG bytes as Flow-GRPO's clients make them: img.save(buffer, format="JPEG")."""
+    out = []
+    for pixels in to_uint8_hwc(images):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def _post_pickle(base_url: str, body: bytes) -> tuple[int, bytes]:
+    """POST as Flow-GRPO's trainer does: raw bytes to the server's root."""
+    request = urllib.request.Request(base_url, data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=20) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+PROMPTS3 = ["two cats", "a red car", "three dogs"]
+
+
+def test_the_server_answers_flowgrpo_clients():
+    images = torch.stack([torch.full((3, 32, 32), v) for v in (0.8, 0.3, 0.1)])
+    seen = []
+
+    def reward(images, prompts, metadata=None):
+        seen.append((prompts, metadata))
+        return _geneval_like(images, prompts, metadata)
+
+    with serving(reward, flowgrpo_protocol=True) as url:
+        base = url.removesuffix("/score")
+        # Flow-GRPO's geneval_score: np.array_split of the metadata list, JPEGs, pickle.dumps (its default protocol)
+        metadatas = [{**m, "prompt": p} for m, p in zip(GENEVAL_META, PROMPTS3, strict=True)]
+        (batch,) = np.array_split(metadatas, 1)
+        body = pickle.dumps({"images": _jpegs(images), "meta_datas": list(batch), "only_strict": True})
+        status, data = _post_pickle(base, body)
+        assert status == 200, data[:300]
+        reply = load_reply_pickle(data, base)  # plain containers only: no class is named
+        assert seen[-1][0] == ["two cats", "a red car", "three dogs"] and seen[-1][1][0]["tag"] == "counting"
+        decoded = torch.stack([torch.from_numpy(np.array(Image.open(io.BytesIO(j)))) for j in _jpegs(images)])
+        brightness = decoded.double().mean(dim=(1, 2, 3)) / 255
+        assert reply["scores"] == pytest.approx(brightness.tolist(), abs=1e-6)
+        assert reply["strict_rewards"] == [1.0, 0.0, 0.0] and reply["rewards"] == [0.0, 0.0, 0.0]  # only_strict
+        assert reply["group_strict_rewards"]["counting"] == [1.0, -10.0, 0.0]
+        assert reply["group_strict_rewards"]["colors"] == [-10.0, 0.0, -10.0]
+        assert reply["group_rewards"]["position"] == [-10.0] * 3 and len(reply["group_rewards"]) == 6
+        status, data = _post_pickle(
+            base, pickle.dumps({"images": _jpegs(images), "meta_datas": list(batch), "only_strict": False})
+        )
+        assert load_reply_pickle(data, base)["rewards"] == [1.0, 1.0, 0.0]
+        # our own client with protocol flowgrpo reads the same reply
+        spec = {"name": "remote", "protocol": "flowgrpo", "url": base, "trust_pickle": True, "key": "geneval"}
+        out = build_reward([spec])(images, ["two cats", "a red car", "three dogs"], GENEVAL_META)
+        assert out["geneval/strict_accuracy"].tolist() == [1.0, 0.0, 0.0]
+        counting = out["geneval/counting_strict_accuracy"]
+        assert counting[0] == 1.0 and counting[2] == 0.0 and torch.isnan(counting[1])
+        # the JSON protocol still answers on /score
+        assert build_reward([{"name": "remote", "url": url}])(images, ["a", "b", "c"])["remote/geneval"].shape == (3,)
+    # Flow-GRPO's deqa_score_remote sends images only; a reward without strict_accuracy answers "outputs"
+    with serving(_zeros, flowgrpo_protocol=True) as url:
+        status, data = _post_pickle(url.removesuffix("/score"), pickle.dumps({"images": _jpegs(images[:2])}))
+        assert (status, load_reply_pickle(data, url)) == (200, {"outputs": [0.0, 0.0]})
+
+
+MARKS: list[str] = []
+
+
+def _mark(what: str) -> str:
+    MARKS.append(what)
+    return what
+
+
+class _Marker:
+    def __reduce__(self):
+        return (_mark, ("unpickled",))  # os.system in a real attack
+
+
+def test_the_servers_unpickler_allows_no_globals():
+    jpeg = _jpegs(torch.rand(1, 3, 8, 8))
+    hostile = {  # name: (pickled request, status, words of the error)
+        "a callable": (pickle.dumps({"images": jpeg, "x": _Marker()}), 400, "_mark; a request must be plain data"),
+        "numpy prompts": (pickle.dumps({"images": jpeg, "prompts": np.array(["a"])}), 400, "names numpy"),
+        "a set": (pickle.dumps({"images": jpeg, "meta_datas": [{"tags": {1, 2}}]}), 400, "holds a set"),
+        "bytes at protocol 2": (pickle.dumps({"images": jpeg}, protocol=2), 400, "names _codecs.encode"),
+        "not a dict": (pickle.dumps([jpeg]), 400, "is a list, not a dict"),
+        "not a pickle": (b"\x80\x04garbage", 400, "not a pickle"),
+        "a million empty lists": (b"](" + b"]" * 2**20 + b"e.", 413, "more than 1048576 values"),
+        "no images": (pickle.dumps({"meta_datas": []}), 400, "'images' must be a non-empty list of JPEG bytes"),
+        "a png": (pickle.dumps({"images": [_png(8, 8)]}), 400, "not a JPEG"),
+        "bad only_strict": (pickle.dumps({"images": jpeg, "only_strict": "yes"}), 400, "'only_strict' must be"),
+        "short meta_datas": (pickle.dumps({"images": jpeg * 2, "meta_datas": [{}]}), 400, "list of 2 dicts"),
+    }
+    with serving(_zeros, flowgrpo_protocol=True) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        for name, (body, status, words) in hostile.items():
+            request = f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+            got, text = _raw_http(port, request)
+            assert (got, words in text) == (status, True), f"{name}: {got} {text[:300]}"
+            assert "\n" not in text  # one line: Flow-GRPO clients show an error reply's last line
+    with serving(_zeros) as url:  # not opted in: POST / is refused unread
+        status, text = _raw_http(
+            int(url.split(":")[2].split("/")[0]), _post(pickle.dumps(_Marker())).replace(b"/score", b"/")
+        )
+        assert status == 404 and "--flowgrpo-protocol" in text
+    assert MARKS == []
