@@ -6,12 +6,25 @@ Protocol (JSON both ways, standard library only):
       png: "images" is a list of base64 PNGs (8-bit; rewards that quantise anyway score them identically)
       npz: "images" is one base64 ``.npz`` holding float32 ``images`` (B, 3, H, W) — lossless
     200  {"scores": {key: [float, ...], ...}}        4xx/500  {"error": "message"}
-    GET  /health -> {"status": "ok", "reward": "..."}
+    GET  /health -> {"status": "ok", "reward": "...", "workers": n, "protocols": [...], ...}
 
-``scripts/reward_server.py`` serves any registered reward (or combination) this way on 127.0.0.1. The server
-answers every bad request with a 4xx and a message (400 malformed, 408 too slow, 411 no Content-Length, 413 too
-large), checks image sizes from the PNG / ``.npy`` headers before decoding anything (``max_pixels`` per request),
-caps the body (``max_request_mb``) and times out stalled connections (``timeout``).
+``scripts/reward_server.py`` serves any registered reward (or combination) this way on 127.0.0.1, with one worker
+(its own reward instance) per device; a complete request goes to the first free worker, which decodes and scores
+it. The server answers every bad request with a 4xx and a message (400 malformed, 404 unknown path, 408 too slow,
+411 no Content-Length, 413 too large, 431 headers over 64 KiB) and a busy one with 503, and bounds what any client
+can cost it: a connection must send its whole request, headers included, within ``timeout`` s of connecting; at
+most ``max_connections`` are served at once; a body is read in chunks as it arrives (never allocated from its
+``Content-Length``), at most ``max_request_mb`` each and ``memory_budget_mb`` for all connections together; image
+sizes are read from the PNG / JPEG / ``.npy`` headers before anything is decoded (``max_pixels`` per request), and
+a request of more than 2**20 JSON values or pickle opcodes is refused before it is parsed.
+
+The server also speaks Flow-GRPO's protocol when started with ``--flowgrpo-protocol`` (``flowgrpo_protocol=True``):
+Flow-GRPO's trainer POSTs a pickle ``{"images": [JPEG bytes], "meta_datas": [dict], "only_strict": bool}`` to
+``/``, and gets back a pickle of plain containers, GenEval's reply (below) for a reward with a ``strict_accuracy``
+score, ``{"outputs": [total]}`` otherwise; errors are one line of text. Requests are unpickled with no global allowed
+at all (every class and function a pickle names is refused: no code runs and no object is built but dicts, lists,
+tuples, strings, bytes, numbers, booleans and None), so a client must pickle with protocol 3 or later and send
+plain lists, not numpy arrays.
 
 ``protocol: flowgrpo`` calls Flow-GRPO's own reward servers (yifan123/reward-server: ``app_geneval.py`` on :18085,
 ``app_deqa.py`` on :18086) unchanged, as Flow-GRPO's ``geneval_score`` / ``deqa_score_remote`` clients do
@@ -890,7 +903,6 @@ class RewardServer:
         if self.open_connections >= self.limits.max_connections:
             return await self._refuse_busy(reader, writer)
         self.open_connections += 1
-        self.peak_connections = max(getattr(self, "peak_connections", 0), self.open_connections)
         request = _Request(deadline=asyncio.get_running_loop().time() + self.limits.timeout)
         try:
             await self._handle(reader, writer, request)
@@ -1063,7 +1075,11 @@ class RewardServer:
         """Worker ``index``: takes the next complete request, decodes and scores it with its own reward."""
         while (job := jobs.get()) is not None:
             kind, chunks, future = job
-            reply = self._score(self.rewards[index], kind, chunks)
+            try:
+                reply = self._score(self.rewards[index], kind, chunks)
+            except BaseException as err:  # MemoryError while decoding, say: answer, and keep the worker alive
+                logger.exception("reward server: worker %d failed on a request", index)
+                reply = _error_reply(kind, 500, f"{type(err).__name__}: {err}")
             self.scored[index] += 1
             with contextlib.suppress(RuntimeError):  # the loop has closed: the server shut down meanwhile
                 future.get_loop().call_soon_threadsafe(_resolve, future, reply)
