@@ -7,7 +7,7 @@
 Add one with :func:`register_objective` on an :class:`Objective` subclass (see :mod:`.base`).
 """
 
-from . import awm, clipped, nft  # noqa: F401  (register the built-in objectives)
+from . import awm, clipped, guard, nft  # noqa: F401  (register the built-in objectives)
 from .base import (
     OBJECTIVES,
     MicroBatch,
