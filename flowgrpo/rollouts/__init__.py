@@ -1,10 +1,11 @@
 """Rollout strategies: how an epoch's samples are produced, one registered class each (``sampler.rollout``).
 
-Built in: ``chain`` (:mod:`.chain`). Add one with :func:`register_rollout` on a :class:`RolloutStrategy` subclass
-(see :mod:`.base`). The per-batch sampler itself (SDE/ODE steps, window, prefix) is :mod:`flowgrpo.rollout`.
+Built in: ``chain`` (:mod:`.chain`); ``iso_temporal`` (:mod:`.iso`, Flash-GRPO's iso-temporal grouping). Add one
+with :func:`register_rollout` on a :class:`RolloutStrategy` subclass (see :mod:`.base`). The per-batch sampler
+itself (SDE/ODE steps, window, prefix) is :mod:`flowgrpo.rollout`.
 """
 
-from . import chain  # noqa: F401  (register the built-in strategies)
+from . import chain, iso  # noqa: F401  (register the built-in strategies)
 from .base import (
     ROLLOUTS,
     Collected,
