@@ -110,6 +110,18 @@ class PostWindowConfig:
 
 
 @dataclass
+class BranchConfig:
+    """``sampler.branch:`` where the branch rollout's groups branch (``sampler.rollout: branch``, TempFlow-GRPO;
+    flowgrpo/rollouts/branch.py). A group follows the ODE, takes one SDE step at its branch point, then the ODE."""
+
+    steps: list[int] | None = None  # schedule steps a group may branch at; null: every step but the last,
+    #                                 0..num_steps-2 (the reference); a step listed twice is chosen twice as often
+    schedule: str = "sweep"  # sweep: group id g branches at steps[g mod len(steps)], every point equally often (the
+    #                          reference branches every trunk at every step) | random: a uniform draw per group,
+    #                          a function of (run.seed, group id)
+
+
+@dataclass
 class SamplerConfig:
     """``sampler:`` how images are sampled during training.
 
@@ -126,7 +138,8 @@ class SamplerConfig:
         steps into t_next = 0 are deterministic (std 0), i.e. the ODE step.
     """
 
-    rollout: str = "chain"  # how an epoch's samples are produced (flowgrpo.rollouts): chain = one chain per image
+    rollout: str = "chain"  # how an epoch's samples are produced (flowgrpo.rollouts): chain = one chain per image |
+    #                         branch = a group's ODE trunk branched by one SDE step (TempFlow-GRPO, sampler.branch)
     kind: str = "euler_maruyama"
     diffusion: str = "flowgrpo"
     score_eval: str = "frozen"
@@ -137,6 +150,7 @@ class SamplerConfig:
     batch_size: int = 8  # images per rollout batch, per process
     window: WindowConfig = field(default_factory=WindowConfig)
     post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
+    branch: BranchConfig = field(default_factory=BranchConfig)  # sampler.rollout: branch only
     same_initial_noise: bool = False  # every image of a group starts from the same noise
     shared_prefix: bool = True  # only active with same_initial_noise and a window starting at step k > 0: the k ODE
     #                             steps before the window, identical for a group's images (same prompt, same noise),
@@ -487,6 +501,11 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
         raise ConfigError(
             f"sampler.window.per_batch=true draws a random window for every rollout batch (Flow-GRPO-Fast) and needs "
             f"sampler.window.strategy: random, got {w.strategy!r}; set the strategy to random or per_batch: false"
+        )
+    if s.rollout != "branch" and s.branch != BranchConfig():
+        raise ConfigError(
+            f"sampler.branch.* places the branch rollout's branch points and does nothing with sampler.rollout="
+            f"{s.rollout}; set sampler.rollout: branch, or remove sampler.branch"
         )
     if s.last_step == "sde" and s.post_window.solver != "euler":
         raise ConfigError(

@@ -5,7 +5,7 @@ with :func:`register_rollout` on a :class:`RolloutStrategy` subclass (see :mod:`
 itself (SDE/ODE steps, window, prefix) is :mod:`flowgrpo.rollout`.
 """
 
-from . import chain, iso  # noqa: F401  (register the built-in strategies)
+from . import branch, chain, iso  # noqa: F401  (register the built-in strategies)
 from .base import (
     ROLLOUTS,
     Collected,
