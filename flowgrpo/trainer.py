@@ -34,22 +34,21 @@ from .advantages import AdvantageInputs, compute_advantages
 from .batching import micro_batches
 from .checkpoint import (
     CheckpointParts,
-    check_model_matches,
+    check_resume,
     checkpoint_name,
-    load_checkpoint,
     on_main,
     open_run_dir,
-    recipe_changes,
     resolve_resume,
+    resume_run,
+    resume_run_dir,
     rng_state,
     save_checkpoint,
-    set_aside_later,
-    write_run_config,
 )
 from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, check_editing
 from .ema import EMA
 from .evaluation import evaluate_shard, grid_prompts, image_grid, merge_shards, summarize, write_report
+from .memory import check_memory
 from .objectives import get_objective
 from .optim import make_lr_factor, make_optimizer
 from .parallel import any_process, check_launch, cpu_launch_kwargs, full_tensor, is_deepspeed, is_fsdp
@@ -105,6 +104,9 @@ class GRPOTrainer:
         set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
         check_editing(datasets, adapter=self.adapter)  # source images need an editing model
+        # Latents and rollout buffers that cannot fit are refused now, not by a failed allocation in the first epoch.
+        stores = self.objective.rollout == "sde_window"
+        check_memory(config, self.adapter, world_size=acc.num_processes, stores_transitions=stores)
         framed = [e.key for e in self.reward.entries if isinstance(e.reward, FrameReward)]
         if framed and self.adapter.family not in VIDEO_KINDS:  # else refused only at the first score, after sampling
             raise ConfigError(
@@ -141,34 +143,23 @@ class GRPOTrainer:
         run = config.run
         warn = lambda message: acc.print(f"warning: {message}")  # noqa: E731
         resume = resolve_resume(run.resume, run.output_dir, run.name, warn=warn) if run.resume else None
-        if resume is not None:  # before anything is written: the weights must mean what the config says
-            check_model_matches(resume, config)
-        self.run_dir = self._make_run_dir(resume.parent.parent if resume is not None else run_dir)
-        if resume is not None:
-            changes = recipe_changes(resume, config)
-            if changes:
-                warn(f"resuming with settings that differ from the checkpoint's: {'; '.join(changes)}")
-            load_checkpoint(
-                CheckpointParts(
-                    accelerator=acc,
-                    transformer=self.adapter.transformer,
-                    params=self.params,
-                    optimizer=self.optimizer,
-                    ema=self.ema,
-                    state=self.state,
-                    config=config,
-                    run_dir=self.run_dir,
-                    family=self.adapter.family,
-                ),
-                resume,
+        if resume is not None:  # before anything is written: the weights must mean what the config says, and fit
+            check_resume(resume, config, self.adapter.transformer, ema=self.ema is not None)
+            run_dir = resume_run_dir(resume, warn)  # the checkpoint's own run if it proves it, else None: a new run
+        self.run_dir = self._make_run_dir(run_dir)
+        if resume is not None:  # a failure here removes what _make_run_dir made (a new run, the lock file)
+            parts = CheckpointParts(
+                accelerator=acc,
+                transformer=self.adapter.transformer,
+                params=self.params,
+                optimizer=self.optimizer,
+                ema=self.ema,
+                state=self.state,
+                config=config,
+                run_dir=self.run_dir,
+                family=self.adapter.family,
             )
-            acc.print(f"resumed from {resume} at epoch {self.state.epoch}")
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            if acc.is_main_process:
-                moved = set_aside_later(self.run_dir, self.state.epoch, stamp)
-                if moved is not None:
-                    print(f"the run's output after {resume.name} moved to {moved}")
-            self._on_main(lambda: write_run_config(self.run_dir, config, stamp))  # config.yaml stays the first's
+            resume_run(parts, resume, self.run_lock, new_run=run_dir is None, warn=warn)
         self.stop = StopRequest()
         self.checkpointed_epoch = self.state.epoch if resume is not None else None  # the newest checkpoint's epoch
         # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.

@@ -4,6 +4,7 @@ Every refusal is a CheckpointError naming the file or key (scripts: exit code 2)
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -345,14 +346,21 @@ def test_a_full_disk_at_start_leaves_no_run_directory(tmp_path, monkeypatch):
     assert list((tmp_path / "runs").iterdir()) == []
 
 
-def test_a_full_disk_during_a_checkpoint_names_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "error, meaning",
+    [  # what torch's zip writer raises when the disk fills up (or a quota, or the file-size limit, is hit)
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024 vs 978"), "the disk is full"),
+        (OSError(errno.EFBIG, "File too large"), "File too large; the file is larger than the filesystem allows"),
+    ],
+)
+def test_a_full_disk_during_a_checkpoint_names_the_file(tmp_path, monkeypatch, error, meaning):
     trainer = _trainer(tmp_path, "run.epochs=1", "checkpoint.every=0")
 
-    def full_disk(*args, **kwargs):  # what torch's zip writer raises when the disk fills up
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024 vs 978")
+    def failed_write(*args, **kwargs):
+        raise error
 
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match=r"cannot write .*epoch-00001/optimizer.pt: .*the disk is full"):
+    monkeypatch.setattr(torch, "save", failed_write)
+    with pytest.raises(CheckpointError, match=rf"cannot write .*epoch-00001/optimizer.pt: .*{meaning}"):
         checkpoint_module.save_checkpoint(_parts(trainer), 1)
     assert list((trainer.run_dir / "checkpoints").iterdir()) == []  # no temporary left behind
 
@@ -362,3 +370,111 @@ def test_an_output_dir_that_is_a_file_is_named(tmp_path):
     not_a_dir.write_text("")
     with pytest.raises(CheckpointError, match=rf"run.output_dir='{not_a_dir}': cannot create it"):
         _trainer(not_a_dir, "run.epochs=1")
+
+
+# ---------------------------------------------------------------- issue 28: a resume writes only into its own run
+def _state(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file and folder under ``folder`` (and the folder itself): its modification time and content."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+        for p in [folder, *sorted(folder.rglob("*"))]
+    }
+
+
+def test_resuming_a_copied_checkpoint_starts_a_new_run_and_writes_nothing_beside_the_copy(trained, tmp_path):
+    outside = tmp_path / "D"  # e.g. /tmp or a home folder: the copied checkpoint's grandparent
+    checkpoint = outside / "ckcopy" / "ck"
+    shutil.copytree(trained / "checkpoints" / "epoch-00002", checkpoint)
+    (outside / "curves.png").write_bytes(b"someone else's plot")
+    (outside / "metrics.jsonl").write_text('{"epoch": 7}\n')
+    (outside / "eval").mkdir()
+    (outside / "eval" / "epoch00005.json").write_text("{}")
+    before = _state(outside)
+    runs = tmp_path / "runs"
+    resumed = _trainer(runs, "run.epochs=3", f"run.resume={checkpoint}")
+    assert resumed.run_dir.parent == runs and resumed.run_dir.name.startswith("tiny-sd3-")
+    assert resumed.state.epoch == 2
+    resumed.fit()
+    assert _state(outside) == before  # nothing written, moved or created beside the copy (no .lock, no config)
+    assert list_checkpoints(resumed.run_dir)[-1].name == "epoch-00003"
+    assert [json.loads(row)["epoch"] for row in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
+    assert json.loads((resumed.run_dir / "run.json").read_text())["resumed_from"] == str(checkpoint)
+    assert sorted(p.name for p in resumed.run_dir.glob("config*.yaml")) == ["config.yaml"]
+    # The new run's checkpoints belong to it: resuming one of them continues that run in place.
+    again = _trainer(runs, "run.epochs=4", f"run.resume={list_checkpoints(resumed.run_dir)[-1]}")
+    assert again.run_dir == resumed.run_dir
+    again.run_lock.release()
+
+
+def test_a_checkpoint_copied_into_another_runs_folder_does_not_resume_into_that_run(trained, tmp_path):
+    other = _copy(trained, tmp_path / "other")  # another run: its own identity, config.yaml, metrics.jsonl, ...
+    (other / "run.json").write_text(json.dumps({"run_id": "another-run"}))
+    foreign = other / "checkpoints" / "epoch-00005"
+    shutil.copytree(trained / "checkpoints" / "epoch-00002", foreign)  # trained's, dropped into the other run
+    before = _state(other)
+    runs = tmp_path / "runs"
+    resumed = _trainer(runs, "run.epochs=3", f"run.resume={foreign}")
+    assert resumed.run_dir.parent == runs and resumed.state.epoch == 2
+    resumed.run_lock.release()
+    assert _state(other) == before  # its later output was not set aside, no lock, no config-resume-*.yaml
+
+
+@pytest.mark.parametrize("failure", ["lora_shape", "optimizer"])
+def test_a_refused_resume_leaves_nothing_behind(trained, tmp_path, monkeypatch, failure):
+    run = _copy(trained, tmp_path / "copies")
+    (run / ".lock").unlink(missing_ok=True)
+    outside = tmp_path / "D"
+    checkpoint = outside / "ckcopy" / "ck"
+    shutil.copytree(run / "checkpoints" / "epoch-00002", checkpoint)
+    if failure == "lora_shape":
+        from safetensors.torch import load_file, save_file
+
+        for folder in (checkpoint, run / "checkpoints" / "epoch-00002"):
+            weights = load_file(str(folder / "adapter.safetensors"))
+            name = sorted(weights)[0]
+            weights[name] = torch.zeros(weights[name].shape[0] + 1, *weights[name].shape[1:])
+            save_file(weights, str(folder / "adapter.safetensors"))
+    else:  # a failure only loading finds (after the run directory is chosen)
+        import flowgrpo.checkpoint.save as save_module
+
+        def refuse(*args, **kwargs):
+            raise CheckpointError("optimizer.pt: parameter groups differ (simulated)")
+
+        monkeypatch.setattr(save_module, "load_optimizer", refuse)
+    # In its own run a resume locks the run before loading (its lock file comes and goes: the folder's time
+    # changes); beside a copied checkpoint nothing is touched at all.
+    files = lambda: {k: v for k, v in _state(run).items() if k != "."}  # noqa: E731
+    before, before_run = _state(outside), files()
+    runs = tmp_path / "runs"
+    for resume in (checkpoint, run / "checkpoints" / "epoch-00002"):  # a copied checkpoint, then one in its run
+        with pytest.raises(CheckpointError):
+            _trainer(runs, "run.epochs=3", f"run.resume={resume}")
+        assert _state(outside) == before and files() == before_run  # no .lock, no config-resume-*.yaml
+        assert not runs.exists() or list(runs.iterdir()) == []  # no new run left behind
+
+
+@pytest.mark.parametrize(
+    "code, meaning",
+    [
+        (errno.EFBIG, r"File too large; the file is larger than the filesystem allows .*ulimit -f"),
+        (errno.ENOSPC, r"No space left on device; the disk is full"),
+        (errno.EDQUOT, r"Disk quota exceeded; the disk quota is exceeded"),
+        (errno.EROFS, r"Read-only file system; the filesystem is read-only"),
+        (errno.EIO, r"Input/output error; check the folder's permissions and free space"),
+    ],
+)
+def test_a_failed_write_says_what_its_errno_means(tmp_path, monkeypatch, code, meaning):
+    real_write = Path.write_text
+
+    def refuse(self, *args, **kwargs):
+        if self.name.startswith(".tmp-"):
+            raise OSError(code, os.strerror(code))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    target = tmp_path / "state.json"
+    with pytest.raises(CheckpointError, match=rf"^cannot write {target}: {meaning}") as info:
+        checkpoint_module.write_text(target, "{}")
+    if code != errno.ENOSPC:
+        assert "disk is full" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []

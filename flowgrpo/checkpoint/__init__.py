@@ -4,6 +4,8 @@
         .lock                   held (flock) by the training process that owns the run: a second trainer on the
                                 same run stops with exit code 2 instead of writing the same files
         config.yaml             the resolved config of the run's first attempt (never overwritten)
+        run.json                the run's identity: {"run_id": random hex, "resumed_from": the checkpoint a run
+                                started by resuming another run's checkpoint continues}
         config-resume-<stamp>.yaml   the resolved config of each resumed attempt (stamp: local time it started)
         checkpoints/epoch-00020/
             adapter.safetensors     LoRA weights (peft names, float32)     adapter_config.json  the LoraConfig
@@ -16,7 +18,9 @@
                                     epoch's prompt plan are functions of the epoch, so this restores them too);
                                     ``written_at`` (Unix time: what ``run.resume=latest`` orders by) and
                                     ``trained_on`` (base model, model family, LoRA rank / alpha / targets: what the
-                                    weights mean; :func:`check_model_matches` compares a config against it)
+                                    weights mean; :func:`check_model_matches` compares a config against it);
+                                    ``run_id`` (the run's, from run.json: a resume continues in the checkpoint's
+                                    run only when that run's run.json says the same, else it starts a new run)
             config.yaml             the resolved config the checkpoint was trained with
             rng_rank{r}.json        torch / CUDA / numpy / python RNG states of every process (plain JSON)
 
@@ -35,8 +39,9 @@ The modules, each importing only those above it (and :mod:`flowgrpo.parallel` fo
     lora        the adapter weights: gathered, saved names, loaded (FSDP2 shards too)
     optimizer   the optimizer's files per back-end (DDP, DeepSpeed ZeRO-2, FSDP2)
     run_dir     run directories: created atomically, locked, their configs; open_run_dir for every process
-    resume      which checkpoint run.resume means, checked without loading; what a resume sets aside
-    save        CheckpointParts, save_checkpoint, load_checkpoint
+    resume      which checkpoint run.resume means, checked without loading; which run it writes into; what a
+                resume sets aside
+    save        CheckpointParts, save_checkpoint, load_checkpoint, resume_run
 """
 
 from __future__ import annotations
@@ -54,13 +59,32 @@ from .compat import (
     saved_lora_shapes,
     trained_on,
 )
-from .layout import CHECKPOINTS, CONFIG_FILE, PREFIX, checkpoint_name, list_checkpoints
+from .layout import CHECKPOINTS, CONFIG_FILE, PREFIX, RUN_FILE, checkpoint_name, list_checkpoints
 from .lora import load_adapter_weights, load_lora_state, lora_state, read_weights, trainable_names
-from .resume import SUPERSEDED, resolve_resume, set_aside_later, verify_checkpoint
+from .resume import (
+    SUPERSEDED,
+    check_resume,
+    owning_run,
+    resolve_resume,
+    resume_run_dir,
+    set_aside_later,
+    verify_checkpoint,
+)
 from .rng import LEGACY_RNG_FILE, RNG_FILE, read_rng_state, rng_state
-from .run_dir import LOCK_FILE, RUN_STAMP, RunLock, create_run_dir, on_main, open_run_dir, run_dirs, write_run_config
+from .run_dir import (
+    LOCK_FILE,
+    RUN_STAMP,
+    RunLock,
+    create_run_dir,
+    on_main,
+    open_run_dir,
+    read_run_id,
+    run_dirs,
+    write_run_config,
+    write_run_file,
+)
 from .safe_io import CheckpointError, check_pickle_globals, deepspeed_safe_globals, load_torch_file, write_text
-from .save import CheckpointParts, load_checkpoint, save_checkpoint
+from .save import CheckpointParts, load_checkpoint, resume_run, save_checkpoint
 
 __all__ = [
     "CHECKPOINTS",
@@ -69,6 +93,7 @@ __all__ = [
     "LOCK_FILE",
     "PREFIX",
     "RNG_FILE",
+    "RUN_FILE",
     "RUN_STAMP",
     "SUPERSEDED",
     "WEIGHT_KEYS",
@@ -80,6 +105,7 @@ __all__ = [
     "check_lora_fits",
     "check_model_matches",
     "check_pickle_globals",
+    "check_resume",
     "checkpoint_name",
     "create_run_dir",
     "deepspeed_safe_globals",
@@ -93,11 +119,15 @@ __all__ = [
     "model_lora_shapes",
     "on_main",
     "open_run_dir",
+    "owning_run",
     "read_rng_state",
+    "read_run_id",
     "read_weights",
     "recipe_changes",
     "recorded_config",
     "resolve_resume",
+    "resume_run",
+    "resume_run_dir",
     "rng_state",
     "run_dirs",
     "save_checkpoint",
@@ -107,5 +137,6 @@ __all__ = [
     "trained_on",
     "verify_checkpoint",
     "write_run_config",
+    "write_run_file",
     "write_text",
 ]

@@ -30,8 +30,8 @@ Shapes = dict[str, tuple[int, ...]]  # saved (peft) name -> shape
 
 # Config keys whose change alters what the adapter weights mean: a resume or an export with another value is refused.
 WEIGHT_KEYS = ("model.pretrained", "model.lora.rank", "model.lora.alpha", "model.lora.target_modules")
-# Keys a resume may change without comment (extending a run, console output, where resume points).
-BOOKKEEPING_KEYS = {"run.resume", "run.epochs", "run.progress", "run.log_every"}
+# Keys a resume may change without comment (extending a run, console output, where resume points, where new runs go).
+BOOKKEEPING_KEYS = {"run.resume", "run.epochs", "run.progress", "run.log_every", "run.output_dir"}
 
 
 # ---------------------------------------------------------------------------- do the weights fit the model

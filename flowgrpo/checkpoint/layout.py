@@ -8,6 +8,8 @@ from pathlib import Path
 CHECKPOINTS = "checkpoints"
 PREFIX = "epoch-"
 CONFIG_FILE = "config.yaml"  # in a run (its first attempt's config) and in each checkpoint (what it trained with)
+RUN_FILE = "run.json"  # in a run: its identity ({"run_id": ...}), which each of its checkpoints records too
+METRICS_FILE = "metrics.jsonl"  # in a run: one line per epoch
 STATE_FILE = "state.json"  # its presence marks a complete checkpoint (written last)
 ADAPTER_FILE = "adapter.safetensors"  # LoRA weights, peft's saved names, float32
 EMA_FILE = "ema.safetensors"  # their EMA (train.ema > 0)

@@ -1,9 +1,13 @@
-"""Which checkpoint ``run.resume`` means, whether it can be loaded (checked without loading it), and what a resume
-from an older checkpoint sets aside.
+"""Which checkpoint ``run.resume`` means, whether it can be loaded (checked without loading it), which run directory
+the resumed run writes into, and what a resume from an older checkpoint sets aside.
 
 ``run.resume`` is a checkpoint, a run directory (its newest loadable checkpoint) or ``latest`` (the newest loadable
 checkpoint of the runs named exactly ``<run.name>-<stamp>``, by the write time each checkpoint recorded). Damaged
 checkpoints are skipped with a warning; a checkpoint named explicitly must be loadable.
+
+A resume continues in the checkpoint's own run only when the checkpoint proves it belongs there
+(:func:`resume_run_dir`); any other checkpoint (a copy in some folder, one dropped into another run) starts a new run
+under ``run.output_dir``, and nothing around the checkpoint is touched.
 """
 
 from __future__ import annotations
@@ -15,14 +19,33 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
-from .layout import ADAPTER_FILE, EMA_FILE, STATE_FILE, checkpoint_epoch, checkpoint_name, list_checkpoints
+from .compat import check_lora_fits, check_model_matches, model_lora_shapes, saved_lora_shapes
+from .layout import (
+    ADAPTER_FILE,
+    CHECKPOINTS,
+    CONFIG_FILE,
+    EMA_FILE,
+    METRICS_FILE,
+    PREFIX,
+    RUN_FILE,
+    STATE_FILE,
+    checkpoint_epoch,
+    checkpoint_name,
+    list_checkpoints,
+)
 from .optimizer import optimizer_files
 from .rng import read_rng_state
-from .run_dir import RUN_STAMP, run_dirs
-from .safe_io import CheckpointError, check_pickle_globals, damaged, read_json, reading
+from .run_dir import RUN_STAMP, read_run_id, run_dirs
+from .safe_io import CheckpointError, check_pickle_globals, damaged, read_json, reading, writing
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import Config
 
 SUPERSEDED = "superseded"  # <run>/superseded/after-epoch-NNNNN-<stamp>/: what a resume from an older one set aside
 
@@ -117,6 +140,69 @@ def verify_checkpoint(checkpoint: Path) -> None:
         check_pickle_globals(file)
 
 
+def check_resume(checkpoint: Path, config: Config, transformer: torch.nn.Module, *, ema: bool) -> None:
+    """Everything about ``checkpoint`` that can refuse a resume, checked before the run directory is chosen or
+    locked (a refusal leaves nothing behind): its weights mean what the config says (model, LoRA rank, alpha,
+    targets) and have exactly the model's LoRA names and shapes; with ``ema`` (train.ema > 0) it has their EMA."""
+    from ..adapters import unwrap
+
+    checkpoint = Path(checkpoint)
+    check_model_matches(checkpoint, config)
+    expected = model_lora_shapes(unwrap(transformer))
+    check_lora_fits(checkpoint, config, expected, saved_lora_shapes(checkpoint))
+    if ema:
+        if not (checkpoint / EMA_FILE).is_file():
+            raise CheckpointError(
+                f"{checkpoint / EMA_FILE} does not exist: the checkpoint was trained with train.ema: 0, and this "
+                f"config sets train.ema: {config.train.ema}. Resume with train.ema: 0, or start a new run"
+            )
+        check_lora_fits(checkpoint, config, expected, saved_lora_shapes(checkpoint, ema=True))
+
+
+def owning_run(checkpoint: Path) -> tuple[Path | None, str]:
+    """The run directory ``checkpoint`` proves it belongs to, or None and why not.
+
+    It does when it sits at ``<run>/checkpoints/epoch-NNNNN`` (no symbolic link out of it) with NNNNN its recorded
+    epoch, ``<run>`` has its ``config.yaml``, and the ``run_id`` in the checkpoint's state.json is the one in
+    ``<run>/run.json``. Checkpoints of earlier releases recorded no run id: ``<run>`` must have the run's marker
+    files, ``config.yaml`` and ``metrics.jsonl``."""
+    checkpoint = Path(checkpoint)
+    run = checkpoint.parent.parent
+    where = f"{CHECKPOINTS}/{PREFIX}NNNNN"
+    if checkpoint.parent.name != CHECKPOINTS or not re.fullmatch(rf"{PREFIX}\d+", checkpoint.name):
+        return None, f"it does not sit in a run directory's {where}"
+    if checkpoint.resolve().parent.parent != run.resolve():
+        return None, f"it is a link to a folder elsewhere, not a run's {where}"
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = None
+    if not isinstance(state, dict) or state.get("epoch") != checkpoint_epoch(checkpoint):
+        return None, f"its {STATE_FILE} records another epoch than its name says (a renamed copy)"
+    if not (run / CONFIG_FILE).is_file():
+        return None, f"{run} has no {CONFIG_FILE}, so it is no run directory"
+    recorded = state.get("run_id")
+    if recorded is not None:
+        if read_run_id(run) != recorded:
+            return None, f"it was written by another run than {run} (the run_id of its {STATE_FILE} and {RUN_FILE})"
+    elif not (run / METRICS_FILE).is_file():
+        return None, f"{run} has no {METRICS_FILE}, so it is no run directory"
+    return run, ""
+
+
+def resume_run_dir(checkpoint: Path, warn: Callable[[str], None] = _warn) -> Path | None:
+    """The run directory a resume from ``checkpoint`` continues in: the checkpoint's own run when it proves it
+    belongs there (:func:`owning_run`), else None, a new run under ``run.output_dir`` (with a warning saying why);
+    a resume never writes anywhere else."""
+    run, why = owning_run(checkpoint)
+    if run is None:
+        warn(
+            f"{checkpoint} is not a checkpoint of the folder around it ({why}): the resumed run starts a new run "
+            f"directory under run.output_dir, and nothing beside the checkpoint is written"
+        )
+    return run
+
+
 def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
     """Resuming from an older checkpoint of a run: move what the run wrote after ``epoch`` (later checkpoints,
     their metrics rows, eval reports and sample grids) to ``<run>/superseded/after-epoch-NNNNN-<stamp>/``.
@@ -130,7 +216,7 @@ def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
     # Sample grids are named by the epoch that sampled them, eval reports by the epochs done before them.
     files = [p for p in sorted((run_dir / "samples").glob("epoch*.png")) if _epoch_of(p) >= epoch]
     files += [p for p in sorted((run_dir / "eval").glob("epoch*.*")) if _epoch_of(p) > epoch]
-    log = run_dir / "metrics.jsonl"
+    log = run_dir / METRICS_FILE
     kept: list[str] = []
     dropped: list[str] = []
     for row in log.read_text(encoding="utf-8").splitlines(keepends=True) if log.is_file() else []:
@@ -145,16 +231,17 @@ def set_aside_later(run_dir: Path, epoch: int, stamp: str) -> Path | None:
     dest, n = base, 1
     while dest.exists():  # two resumes within the same second
         dest, n = base.with_name(f"{base.name}-{n}"), n + 1
-    for path in later + files:
-        target = dest / path.relative_to(run_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
-    if dropped:
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / "metrics.jsonl").write_text("".join(dropped), encoding="utf-8")
-        tmp = log.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, log)
+    with writing(dest):
+        for path in later + files:
+            target = dest / path.relative_to(run_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        if dropped:
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / METRICS_FILE).write_text("".join(dropped), encoding="utf-8")
+            tmp = log.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, log)
     return dest
 
 

@@ -1,5 +1,7 @@
 """Run directories: ``<run.output_dir>/<run.name>-<YYYYmmdd-HHMMSS>[-<n>]``, created atomically, locked by the
-one training process that owns them, with the resolved config of every attempt.
+one training process that owns them, with the resolved config of every attempt and the run's identity
+(``run.json``: a random ``run_id`` that each of its checkpoints records, so that a resume writes only into the run a
+checkpoint proves it belongs to: :func:`flowgrpo.checkpoint.resume.resume_run_dir`).
 
 Rank 0 does the file work; the other processes wait in a collective and get the same path, or the same error
 (:func:`on_main`): no process is left waiting in a collective while another has stopped.
@@ -8,10 +10,12 @@ Rank 0 does the file work; the other processes wait in a collective and get the 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ..parallel import any_process
-from .layout import CONFIG_FILE
+from .layout import CONFIG_FILE, RUN_FILE
 from .safe_io import CheckpointError, reason, write_text
 
 if TYPE_CHECKING:
@@ -40,8 +44,9 @@ def open_run_dir(accelerator: Accelerator, config: Config, run_dir: Path | None)
 
     ``run_dir`` None: a new ``<run.output_dir>/<run.name>-<stamp>`` with the config in its config.yaml, removed
     again if that fails (a full disk leaves no empty run behind). Given (a resumed run, or a caller's choice): it
-    is created if missing and locked. A second trainer on a locked run stops with a CheckpointError naming the
-    holder's pid. Every process gets the same path, or the same error."""
+    is created if missing and locked. Either way it gets a ``run.json`` (its identity) if it has none. A second
+    trainer on a locked run stops with a CheckpointError naming the holder's pid. Every process gets the same path,
+    or the same error. :meth:`RunLock.abandon` undoes what this did (a resume refused after it)."""
     run = config.run
     lock: RunLock | None = None
     path: Path | None = run_dir
@@ -50,16 +55,19 @@ def open_run_dir(accelerator: Accelerator, config: Config, run_dir: Path | None)
         nonlocal path, lock
         created = path is None
         path = create_run_dir(run.output_dir, run.name) if created else Path(path)
+        existed = path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)  # an explicit run_dir may not exist yet
-            lock = RunLock(path)
+            lock = RunLock(path, made_run=created or not existed)
             lock.acquire()
             if created:
                 write_run_config(path, config)
+            if read_run_id(path) is None:
+                write_run_file(path)
         except (CheckpointError, OSError) as err:
             if lock is not None:
-                lock.release()
-            if created:
+                lock.abandon()
+            elif created or not existed:
                 shutil.rmtree(path, ignore_errors=True)
             raise err if isinstance(err, CheckpointError) else CheckpointError(f"{path}: {err}") from err
 
@@ -127,10 +135,14 @@ class RunLock:
     """An exclusive lock on a run directory (``<run>/.lock``), held while this object holds the file open.
 
     flock locks belong to the open file: the kernel drops it when the process ends, however it ends (no stale
-    lock after a crash or SIGKILL). Two trainers in one process conflict too (each opens the file anew)."""
+    lock after a crash or SIGKILL). Two trainers in one process conflict too (each opens the file anew).
 
-    def __init__(self, run_dir: Path) -> None:
+    ``made_run``: this trainer created the run directory (:meth:`abandon` removes it whole)."""
+
+    def __init__(self, run_dir: Path, *, made_run: bool = False) -> None:
         self.run_dir = Path(run_dir)
+        self.made_run = made_run
+        self.made_file = False  # acquire() created the lock file (abandon() removes it)
         self._file: Any = None
 
     @property
@@ -141,6 +153,7 @@ class RunLock:
         if self.held or fcntl is None:
             return
         path = self.run_dir / LOCK_FILE
+        existed = path.exists()
         try:
             handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open while the lock is held
         except OSError as err:
@@ -158,6 +171,7 @@ class RunLock:
                 f"{path}): two trainers would write the same checkpoints and logs. Wait for that one to end, or "
                 f"start a new run (no run.resume, or another run.name)"
             ) from None
+        self.made_file = self.made_file or not existed
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
@@ -168,6 +182,16 @@ class RunLock:
         if self._file is not None:
             self._file.close()  # closing drops the flock
             self._file = None
+
+    def abandon(self) -> None:
+        """Setting up the run failed (a refused resume): release the lock and remove what this trainer created,
+        the run directory whole if it made it, else the lock file if it made that (nothing else is touched)."""
+        lock_file = self.run_dir / LOCK_FILE
+        if self.made_run:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        elif self.made_file and self.held:
+            lock_file.unlink(missing_ok=True)  # while still holding it: no other trainer holds this file
+        self.release()
 
 
 def write_run_config(run_dir: Path, config: Config, stamp: str | None = None) -> Path:
@@ -182,3 +206,27 @@ def write_run_config(run_dir: Path, config: Config, stamp: str | None = None) ->
             path, n = run_dir / f"{base}-{n}.yaml", n + 1
     write_text(path, config.to_yaml())
     return path
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    """The identity ``run.json`` records (None: no such file, or no ``run_id`` in it, as runs of earlier releases)."""
+    try:
+        data = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    run_id = data.get("run_id") if isinstance(data, dict) else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def write_run_file(run_dir: Path, **extra: Any) -> str:
+    """Give a run its identity: ``run.json`` with a new random ``run_id`` (and ``extra``: e.g. ``resumed_from``,
+    the checkpoint a new run continues); keeps an existing ``run_id``. Returns the id."""
+    path = Path(run_dir) / RUN_FILE
+    run_id = read_run_id(run_dir) or uuid.uuid4().hex
+    try:
+        old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        old = {}
+    record = {**(old if isinstance(old, dict) else {}), "run_id": run_id, **extra}
+    write_text(path, json.dumps(record, indent=2) + "\n")
+    return run_id

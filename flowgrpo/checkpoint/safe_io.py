@@ -56,18 +56,51 @@ def reading(path: Path) -> Iterator[None]:
         raise damaged(path, reason(err)) from None
 
 
+# What a failed write's errno means, and the fix (any other errno: its strerror, and the generic hint).
+WRITE_ERRORS = {
+    errno.ENOSPC: "the disk is full: free space on it, or set run.output_dir to another disk",
+    errno.EDQUOT: "the disk quota is exceeded: free space within the quota, raise it, or set run.output_dir elsewhere",
+    errno.EFBIG: (
+        "the file is larger than the filesystem allows (FAT32: 4 GiB) or than this process's file-size limit "
+        "(ulimit -f): raise the limit, or set run.output_dir to another filesystem"
+    ),
+    errno.EACCES: "permission denied: make the folder writable, or set run.output_dir elsewhere",
+    errno.EPERM: "the operation is not permitted: make the folder writable, or set run.output_dir elsewhere",
+    errno.EROFS: "the filesystem is read-only: set run.output_dir to a writable one",
+}
+# torch's zip writer reports any failed write (full disk, quota, file-size limit) as a RuntimeError naming this
+TORCH_WRITER = "inline_container"
+
+
+def write_error(path: Path, err: BaseException) -> str:
+    """``cannot write <path>: <what the error says>; <what it means and the fix>``, by the error's errno."""
+    code = getattr(err, "errno", None) if isinstance(err, OSError) else None
+    if code is not None:
+        what = err.strerror or os.strerror(code)
+        hint = WRITE_ERRORS.get(code, "check the folder's permissions and free space")
+    elif TORCH_WRITER in str(err):
+        what = reason(err)
+        hint = (
+            "the write stopped short: the disk is full, a disk quota is exceeded, or the file is larger than the "
+            "filesystem or this process's file-size limit (ulimit -f) allow; free space or raise the limit, or set "
+            "run.output_dir elsewhere"
+        )
+    else:
+        what, hint = reason(err), "check the folder's permissions and free space"
+    return f"cannot write {path}: {what}; {hint}"
+
+
 @contextlib.contextmanager
 def writing(path: Path) -> Iterator[None]:
-    """Turn a failure to write ``path`` (disk full, permissions; torch reports a full disk as a RuntimeError
-    from its zip writer) into a CheckpointError naming it and the fix."""
+    """Turn a failure to write ``path`` into a CheckpointError naming it, what the error means and the fix
+    (:func:`write_error`: a full disk, an exceeded quota, a file over the file-size limit, permissions; torch
+    reports each of the first three as a RuntimeError from its zip writer)."""
     try:
         yield
     except CheckpointError:
         raise
     except (OSError, RuntimeError) as err:
-        full = isinstance(err, OSError) and err.errno == errno.ENOSPC or "inline_container" in str(err)
-        hint = "the disk is full: free space on it" if full else "check the folder's permissions and free space"
-        raise CheckpointError(f"cannot write {path}: {reason(err)}; {hint}") from err
+        raise CheckpointError(write_error(path, err)) from err
 
 
 def read_json(path: Path) -> Any:

@@ -3,6 +3,7 @@
 
     save_checkpoint(parts, epoch)     <run>/checkpoints/epoch-NNNNN, written atomically
     load_checkpoint(parts, path)      weights, optimizer, EMA, counters and this process's RNG states restored
+    resume_run(parts, path, lock)     load_checkpoint, then the run's bookkeeping; a failure undoes open_run_dir
 
 A checkpoint is written under a temporary name and renamed into place, so a crash or a failed write leaves the
 previous checkpoints intact; ``checkpoint.keep_last`` newest plus the best-by-eval one are kept. The processes
@@ -16,6 +17,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from ..parallel import any_process, full_tensor, is_fsdp, shard_like
+from .compat import recipe_changes
 from .layout import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
@@ -37,7 +40,9 @@ from .layout import (
 )
 from .lora import adapter_config, load_lora_state, lora_state, read_weights, trainable_names
 from .optimizer import DEEPSPEED_FOLDER, load_optimizer, optimizer_state
+from .resume import set_aside_later
 from .rng import read_rng_state, rng_state, set_rng_state, write_rng_state
+from .run_dir import RUN_STAMP, RunLock, on_main, read_run_id, write_run_config, write_run_file
 from .safe_io import CheckpointError, read_json, reading, write_text, writing
 
 if TYPE_CHECKING:
@@ -133,6 +138,7 @@ def save_checkpoint(parts: CheckpointParts, epoch: int, rng: dict[str, Any] | No
                 "world_size": acc.num_processes,
                 "written_at": time.time(),
                 "trained_on": trained,
+                "run_id": read_run_id(parts.run_dir),  # which run it belongs to (resume_run_dir compares)
             }
             write_text(tmp / STATE_FILE, json.dumps(state, indent=2))
     except BaseException as err:  # noqa: BLE001 - re-raised below, after cleaning up
@@ -195,6 +201,47 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
             setattr(parts.state, key, state[key])
     if rng is not None:
         set_rng_state(rng)
+
+
+def resume_run(
+    parts: CheckpointParts,
+    checkpoint: Path,
+    lock: RunLock | None,
+    *,
+    new_run: bool,
+    warn: Callable[[str], None],
+) -> None:
+    """Resume ``checkpoint`` into ``parts.run_dir`` (all processes call this; ``lock``: rank 0's from open_run_dir).
+
+    Loads it (:func:`load_checkpoint`), then on rank 0: in the checkpoint's own run, moves what the run wrote after
+    it aside (:func:`flowgrpo.checkpoint.resume.set_aside_later`) and records this attempt's config
+    (``config-resume-<stamp>.yaml``); in a ``new_run``, records in its ``run.json`` which checkpoint it continues
+    (its config.yaml is already this attempt's). If anything fails, rank 0 abandons the run directory
+    (:meth:`RunLock.abandon`: a new run is removed, a lock file it made is deleted) and every process raises."""
+    acc = parts.accelerator
+    try:
+        changes = recipe_changes(checkpoint, parts.config)
+        if changes:
+            warn(f"resuming with settings that differ from the checkpoint's: {'; '.join(changes)}")
+        load_checkpoint(parts, checkpoint)
+        where = f" in a new run directory, {parts.run_dir}" if new_run else ""
+        acc.print(f"resumed from {checkpoint} at epoch {parts.state.epoch}{where}")
+        stamp = time.strftime(RUN_STAMP)
+
+        def record() -> None:
+            if new_run:
+                write_run_file(parts.run_dir, resumed_from=str(checkpoint))
+                return
+            moved = set_aside_later(parts.run_dir, parts.state.epoch, stamp)
+            if moved is not None:
+                print(f"the run's output after {checkpoint.name} moved to {moved}")
+            write_run_config(parts.run_dir, parts.config, stamp)  # config.yaml stays the first attempt's
+
+        on_main(acc, record)
+    except BaseException:
+        if lock is not None:
+            lock.abandon()
+        raise
 
 
 def _raise(failure: BaseException | None, elsewhere: str) -> None:
