@@ -45,7 +45,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
-from .data import PromptDataset, check_editing
+from .data import PromptDataset, check_editing, small_prompt_set_warning
 from .ema import EMA
 from .evaluation import evaluate_shard, grid_prompts, image_grid, merge_shards, summarize, write_report
 from .memory import check_memory
@@ -94,6 +94,16 @@ class GRPOTrainer:
             raise ConfigError(f"grpo.objective={config.grpo.objective} {self.objective.refuses_sharded}")
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
         self.test_data = PromptDataset.from_file(config.data.test, "data.test") if config.data.test else None
+        few = small_prompt_set_warning(
+            len(self.train_data),
+            config.model.pretrained,
+            config.data.train,
+            groups_per_epoch=config.grpo.groups_per_epoch,
+        )
+        if few:  # a preset's sample prompt file on a real model
+            acc.print(f"warning: {few}")
+        for note in self.train_data.notes + (self.test_data.notes if self.test_data else []):
+            acc.print(f"note: {note}")  # source images converted (16-bit, float, transparency, ...)
         set_seed(config.run.seed, device_specific=True)
         # Everything that can fail on a bad config runs before the run directory is created.
         self.reward = build_reward(config.rewards, device=acc.device, nan_policy="drop")
@@ -223,6 +233,17 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainState:
+        """Train from ``state.epoch`` to ``run.epochs``; the run's lock is released however it ends (a failed fit
+        leaves the run resumable at once, also from this process)."""
+        if self.run_lock is not None:
+            self.run_lock.acquire()  # again, if an earlier fit() of this trainer released it
+        try:
+            return self._fit()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _fit(self) -> TrainState:
         cfg, acc = self.config, self.accelerator
         bar = tqdm(
             range(self.state.epoch, cfg.run.epochs),
@@ -232,8 +253,6 @@ class GRPOTrainer:
             disable=not (cfg.run.progress and acc.is_main_process),
         )
         every, save_every = cfg.eval.every, cfg.checkpoint.every
-        if self.run_lock is not None:
-            self.run_lock.acquire()  # again, if an earlier fit() of this trainer released it
         parts = CheckpointParts(  # what save_checkpoint writes
             accelerator=acc,
             transformer=self.adapter.transformer,
@@ -272,9 +291,8 @@ class GRPOTrainer:
                     new_best = self.state.best_eval is not None and self.state.best_eval != best_before
                     if new_best:
                         self.state.best_checkpoint = checkpoint_name(epoch + 1)
-                metrics["time/elapsed"] = elapsed = (
-                    time.perf_counter() - started
-                )  # this attempt's, evaluations included
+                # this attempt's wall-clock, evaluations included
+                metrics["time/elapsed"] = elapsed = time.perf_counter() - started
                 self._log(metrics, epoch)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
                 # every process decides together (clocks differ): a collective each epoch when a budget is set
@@ -295,8 +313,6 @@ class GRPOTrainer:
                     break
         self.phases.mark("end")
         self._finish()
-        if self.run_lock is not None:
-            self.run_lock.release()  # the run may be resumed now (also by another trainer in this process)
         return self.state
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:

@@ -166,6 +166,8 @@ def test_epochs_with_no_usable_group_take_no_step_and_stop_clearly(tmp_path):
         trainer.fit()
     assert trainer.state.epoch == 1 and trainer.state.global_step == 0 and trainer.state.empty_epochs_in_a_row == 2
     assert all(torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
+    # The failed fit released the run's lock (before: held until the trainer was collected, "in use" meanwhile).
+    assert not trainer.run_lock.held
     # One usable epoch between empty ones resets the count (the cat prompt's groups alone are NaN).
     trainer, _, rows = _train(
         tmp_path,
