@@ -159,7 +159,7 @@ def test_on_policy_the_ratio_is_exactly_one_and_the_gradient_is_the_reference_fo
         for got, want in zip(grads, expected, strict=True):
             # The same forward, the chain rule taken in another order (s·∇log p + ∇red(Δμ²)/(2s) against z·∇μ):
             # fp32 rounding, relative to the largest entry.
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert any(g.abs().sum() > 0 for g in grads)
 
     # one shared step: ∇ log r̂ = s ∇ log r on-policy, so the gradient is s·w × clipped's (w, s the same for all)
@@ -168,7 +168,7 @@ def test_on_policy_the_ratio_is_exactly_one_and_the_gradient_is_the_reference_fo
     factor = s[0] * w[0]
     assert factor != 1.0 and torch.equal(s, s[:1].expand(4)) and torch.equal(w, w[:1].expand(4))
     for got, plain in zip(grads, clipped_grads, strict=True):
-        torch.testing.assert_close(got, factor * plain, rtol=1e-4, atol=1e-5 * got.abs().max().item())
+        torch.testing.assert_close(got, factor * plain, rtol=1e-4, atol=1e-4 * got.abs().max().item())
 
 
 def test_off_policy_the_ratio_is_normalised_against_the_epochs_starting_means(tiny):
@@ -197,7 +197,7 @@ def test_off_policy_the_ratio_is_normalised_against_the_epochs_starting_means(ti
             w = 1 / (traj.sigmas[rows, positions] - traj.sigmas_next[rows, positions])
             eps = cfg.grpo.clip_range
             policy = (w * torch.maximum(-ADVANTAGES * ratio, -ADVANTAGES * ratio.clamp(1 - eps, 1 + eps))).mean()
-        assert (ratio - 1).abs().max() > 1e-4 and bias.min() > 0  # really off-policy
+        assert (ratio - 1).abs().max() > 1e-6 and bias.min() > 0  # really off-policy (on-policy it is exactly 1)
         torch.testing.assert_close(stats["ratio_mean"], ratio.mean(), rtol=1e-5, atol=0)
         torch.testing.assert_close(stats["ratio_max"], ratio.max(), rtol=1e-5, atol=0)
         torch.testing.assert_close(stats["mean_shift"], bias.mean(), rtol=1e-4, atol=0)
