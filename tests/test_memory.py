@@ -77,10 +77,16 @@ def test_the_shipped_small_configs_fit(name, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("name", ["tiny_sd3", "tiny_wan"])
-def test_the_estimate_is_what_an_epoch_of_rollouts_keeps(name, tmp_path, monkeypatch):
+BRANCH = ("sampler.rollout=branch", "sampler.same_initial_noise=true", "grpo.objective=tempflow")
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("tiny_sd3", ()), ("tiny_wan", ()), ("tiny_sd3", BRANCH)],  # branch: one stored step per image (before: 9)
+)
+def test_the_estimate_is_what_an_epoch_of_rollouts_keeps(name, overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    trainer = GRPOTrainer(_config(name, tmp_path, "run.epochs=1"))
+    trainer = GRPOTrainer(_config(name, tmp_path, "run.epochs=1", *overrides))
     trainer.run_lock.release()
     config, adapter = trainer.config, trainer.adapter
     found = estimate(config, geometry(adapter, config.model.resolution))
