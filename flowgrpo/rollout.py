@@ -70,6 +70,9 @@ class Trajectory:
     final_latents: Tensor
     images: Tensor | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
+    # Per-sample tensors a rollout strategy adds for its advantage estimator (first dim B; e.g. rewards of each
+    # step's one-step prediction, a sample's node in a tree); the trainer gathers them into AdvantageInputs.extras.
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -99,6 +102,10 @@ class Trajectory:
         joined["prompts"] = [p for part in parts for p in part.prompts]
         joined["metadata"] = [m for part in parts for m in part.metadata]
         joined["embeds"] = PromptEmbeds.cat([p.embeds for p in parts])
+        keys = [sorted(p.extras) for p in parts]
+        if any(k != keys[0] for k in keys):
+            raise ValueError(f"Trajectory.cat joins batches with the same extras, got {keys}")
+        joined["extras"] = {k: torch.cat([p.extras[k] for p in parts]) for k in keys[0]}
         return replace(first, **joined)
 
     def select(self, index: Tensor | Sequence[int]) -> Trajectory:
@@ -113,6 +120,7 @@ class Trajectory:
         picked["embeds"] = self.embeds.select(index)
         if self.metadata:
             picked["metadata"] = [self.metadata[i] for i in index.tolist()]
+        picked["extras"] = {k: v[index.to(v.device)] for k, v in self.extras.items()}
         return replace(self, **picked)
 
 

@@ -28,6 +28,7 @@ from accelerate.utils import ProjectConfiguration, broadcast_object_list, gather
 from tqdm.auto import tqdm
 
 from rewards import AsyncReward, FrameReward, apply_nan_policy, build_reward
+from rewards.base import accepts_source_images
 
 from .adapters import build_adapter
 from .advantages import AdvantageInputs, compute_advantages
@@ -189,6 +190,7 @@ class GRPOTrainer:
                 ),
                 should_stop=self._agree_to_stop,
                 progress=self._bars,
+                score=self._score_now,
             )
         )
         self.stepper = AccumulatingStepper(
@@ -315,6 +317,14 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
+    @torch.no_grad()
+    def _score_now(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict], sources: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The reward's scores of a batch, computed now (rollouts that score intermediate predictions)."""
+        extra = {"source_images": sources} if sources is not None and accepts_source_images(self.reward) else {}
+        return self.reward(images, prompts, metadata, **extra)
+
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """Collect, score, compute advantages and train one epoch; its metrics, or None when a stop signal was
         agreed during sampling (the epoch is then abandoned before any update)."""
@@ -351,7 +361,8 @@ class GRPOTrainer:
         all_group_ids = acc.gather(trajectory.group_ids.to(acc.device)).cpu()
         keep, dropped = apply_nan_policy(gathered, all_group_ids, cfg.grpo.nan_policy, keys=list(self.reward.weights))
         # Dropped groups (non-finite rewards) get advantage 0 and take no part in the statistics of the others.
-        inputs = AdvantageInputs(gathered, self.reward.weights, all_group_ids, trajectory.num_trained_steps)
+        extras = {k: acc.gather(v.to(acc.device)).cpu() for k, v in sorted(trajectory.extras.items())}
+        inputs = AdvantageInputs(gathered, self.reward.weights, all_group_ids, trajectory.num_trained_steps, extras)
         advantages_all = compute_advantages(cfg.grpo.advantage, inputs, keep)
         n_local = len(trajectory)
         # gather() concatenates in process order, so this process's rows are one contiguous block.

@@ -17,6 +17,8 @@ from flowgrpo.checkpoint import CONFIG_FILE, recipe_changes
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.objectives import OBJECTIVES, MicroBatch, Objective, available_objectives, register_objective
 from flowgrpo.objectives.clipped import timestep_loss
+from flowgrpo.rollouts import ROLLOUTS, register_rollout
+from flowgrpo.rollouts.chain import Chain
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_sd3.yaml"
 calls: dict[str, list] = {"estimator": [], "loss": []}
@@ -64,11 +66,46 @@ def centred_rank(inputs: AdvantageInputs, settings) -> torch.Tensor:
     return out
 
 
+@register_rollout("chain_with_extras")
+class ChainWithExtras(Chain):
+    """The chain rollout, plus a per-sample extra: each image's reward scored at once through ``context.score``."""
+
+    def collect(self, epoch):
+        collected = super().collect(epoch)
+        t = collected.trajectory
+        scores = self.context.score(t.images, t.prompts, t.metadata, t.source_images)
+        t.extras["scored_now"] = scores["total"]
+        t.extras["row"] = torch.arange(len(t), dtype=torch.float32)[:, None].repeat(1, 2)  # [B, 2]: any shape
+        return collected
+
+
+@register_estimator("from_extras")
+def from_extras(inputs: AdvantageInputs, settings) -> torch.Tensor:
+    calls["estimator"].append(dict(inputs.extras, total=inputs.scores["total"]))
+    return inputs.extras["scored_now"] - inputs.extras["scored_now"].mean()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _unregister():
     yield
     OBJECTIVES.pop("throwaway")
     ADVANTAGE_ESTIMATORS.pop("centred_rank")
+    ADVANTAGE_ESTIMATORS.pop("from_extras")
+    ROLLOUTS.pop("chain_with_extras")
+
+
+def test_a_rollouts_extras_reach_the_advantage_estimator(tmp_path):
+    """Trajectory.extras are joined over rollout batches, gathered and handed to the estimator row for row; a
+    rollout may score its images at once through RolloutContext.score (the same reward as the final scores)."""
+    from flowgrpo.trainer import GRPOTrainer
+
+    config = _config(tmp_path, "sampler.rollout=chain_with_extras", "grpo.advantage.estimator=from_extras")
+    calls["estimator"].clear()
+    GRPOTrainer(config).fit()
+    (seen,) = calls["estimator"]
+    n = config.grpo.group_size * config.grpo.groups_per_epoch
+    assert seen["row"].shape == (n, 2)
+    torch.testing.assert_close(seen["scored_now"], seen["total"], rtol=0, atol=0)
 
 
 def _config(tmp_path, *overrides):

@@ -15,7 +15,7 @@ advantage of 0 and keeps them out of the others' statistics.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ class AdvantageInputs:
     weights: Mapping[str, float]  # reward name -> its weight in "total"
     group_ids: Tensor  # [N] the prompt group of each sample
     num_steps: int  # W: trained window steps per sample (0 when the objective trains the final samples only)
+    # The rollout's per-sample extras (Trajectory.extras, gathered like the scores): e.g. "step_rewards" [N, S]
+    extras: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 Estimator = Callable[[AdvantageInputs, Any], Tensor]
@@ -68,7 +70,11 @@ def compute_advantages(settings: Any, inputs: AdvantageInputs, keep: Tensor) -> 
     if not keep.any():
         return torch.zeros(n)
     kept = AdvantageInputs(
-        {k: v[keep] for k, v in inputs.scores.items()}, inputs.weights, inputs.group_ids[keep], inputs.num_steps
+        {k: v[keep] for k, v in inputs.scores.items()},
+        inputs.weights,
+        inputs.group_ids[keep],
+        inputs.num_steps,
+        {k: v[keep] for k, v in inputs.extras.items()},
     )
     values = estimator(kept, settings).float()
     if values.shape[0] != int(keep.sum()) or values.ndim not in (1, 2):

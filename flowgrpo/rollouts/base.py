@@ -49,6 +49,9 @@ class RolloutContext:
     submit: Callable[[Tensor, list[str], list[dict[str, Any]], Tensor | None], None]
     should_stop: Callable[[], bool]  # a collective: every process gets the same answer
     progress: bool = False  # show progress bars
+    # (images, prompts, metadata, source images or None) -> the reward's scores now, in this thread ("total": [B]):
+    # for strategies that score intermediate predictions (dense step rewards) rather than only the final images
+    score: Callable[[Tensor, list[str], list[dict[str, Any]], Tensor | None], dict[str, Tensor]] | None = None
 
     def epoch_slots(self, epoch: int) -> list[EpochSample]:
         """This process's (prompt, group) slots of the epoch: ``grpo.groups_per_epoch`` prompts drawn from
