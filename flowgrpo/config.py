@@ -7,11 +7,13 @@ naming the key, the value and the fix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,10 @@ import yaml
 from samplers import DIFFUSIONS, KL_CONVENTIONS, LOG_PROBS, SDE_KINDS, SOLVERS, STRATEGIES
 
 from .adapters.registry import FamilyNames, available_families
-from .advantages import available_advantage_estimators
+from .advantages import available_advantage_estimators, estimator_sections, validate_estimator
 from .checks import ConfigError, check_num_frames, check_range, one_of
 from .objectives import get_objective, objective_sections
-from .rollouts import get_rollout
+from .rollouts import get_rollout, rollout_sections
 
 
 @dataclass
@@ -162,6 +164,9 @@ class SamplerConfig:
     last_step: str = "ode"  # ode | sde: untrained final step with noise too (Flow-GRPO train_sd3/flux.py; others ode)
     log_prob: str = "exact"  # exact (Gaussian density) | squared_error (cps only: Flow-GRPO(-Fast)'s -(x'-mean)²)
 
+    def __post_init__(self) -> None:
+        _add_plugin_sections(self)  # sampler.<rollout>: the registered strategies' settings
+
 
 @dataclass
 class DataConfig:
@@ -182,6 +187,9 @@ class AdvantageConfig:
     clip: float = 5.0  # > 0: advantages are clipped to ±clip
     normalize_weights: bool = False  # per_reward: weights divided by their sum first (MixGRPO); else summed as given
     std_eps: float = 1.0e-4  # A = (R - mean) / (std + std_eps): Flow-GRPO 1e-4, DanceGRPO / MixGRPO 1e-8
+
+    def __post_init__(self) -> None:
+        _add_plugin_sections(self)  # grpo.advantage.<estimator>: the registered estimators' settings
 
 
 @dataclass
@@ -216,9 +224,7 @@ class GRPOConfig:
     #                             samples | any registered objective (flowgrpo.objectives)
 
     def __post_init__(self) -> None:
-        # The registered objectives' sections, at their defaults unless the config gave them (see _build).
-        for name, section in _grpo_sections().items():
-            self.__dict__.setdefault(name, section())
+        _add_plugin_sections(self)  # grpo.<objective>: the registered objectives' settings
 
 
 @dataclass
@@ -281,21 +287,38 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every setting, with only the active objective's ``grpo.<name>`` section: the others sit at their
-        defaults (anything else is refused), and a saved config must load where another plugin is not registered."""
+        """Every setting, with only the chosen plugins' sections (``grpo.<objective>``, ``sampler.<rollout>``,
+        ``grpo.advantage.<estimator>``): the others sit at their defaults (anything else is refused), and a saved
+        config must load where another plugin is not registered."""
         out = dataclasses.asdict(self)
-        active = self.grpo.objective
-        if active in _grpo_sections():
-            out["grpo"][active] = dataclasses.asdict(getattr(self.grpo, active))
+        for owner, path in _plugin_owners(self):
+            active = getattr(owner, _PLUGIN_CHOICE[type(owner)][0])
+            if active in _plugin_sections(type(owner)):
+                _node(out, path)[active] = dataclasses.asdict(getattr(owner, active))
         return out
 
     @staticmethod
-    def default_sections() -> dict[str, dict[str, Any]]:
-        """``{name: defaults}`` of every registered objective's ``grpo.<name>`` section."""
-        return {name: dataclasses.asdict(cls()) for name, cls in _grpo_sections().items()}
+    def with_every_section(data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` (a ``to_dict()``) with every registered plugin's section added at its defaults, as older runs
+        saved them."""
+        out = copy.deepcopy(data)
+        for cls, path in ((GRPOConfig, "grpo"), (SamplerConfig, "sampler"), (AdvantageConfig, "grpo.advantage")):
+            node = _node(out, path)
+            for name, section in _plugin_sections(cls).items():
+                node.setdefault(name, dataclasses.asdict(section()))
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# Plugin sections: a registry's entries with settings add a section to the config class that chooses among them.
+# config class -> (the key that chooses, the registry's sections, the section's path, what an entry is called)
+_PLUGIN_CHOICE: dict[type, tuple[str, Callable[[], dict[str, type]], str, str]] = {
+    GRPOConfig: ("objective", objective_sections, "grpo", "objective"),
+    SamplerConfig: ("rollout", rollout_sections, "sampler", "rollout strategy"),
+    AdvantageConfig: ("estimator", estimator_sections, "grpo.advantage", "advantage estimator"),
+}
 
 
 # ---------------------------------------------------------------------------- building from dicts
@@ -367,19 +390,38 @@ def _type_name(tp: Any) -> str:
     )
 
 
-def _grpo_sections() -> dict[str, type]:
-    """``grpo.<name>``: the settings class of every registered objective that has one."""
-    sections = objective_sections()
-    clash = sorted(set(sections) & {f.name for f in dataclasses.fields(GRPOConfig)})
+def _plugin_sections(cls: type) -> dict[str, type]:
+    """``{name: settings class}`` of the registered plugins that ``cls`` chooses among ({} for other classes)."""
+    if cls not in _PLUGIN_CHOICE:
+        return {}
+    _, sections_of, path, kind = _PLUGIN_CHOICE[cls]
+    sections = sections_of()
+    clash = sorted(set(sections) & {f.name for f in dataclasses.fields(cls)})
     if clash:
-        raise ConfigError(f"objective {clash[0]!r} cannot have a settings section: grpo.{clash[0]} is a grpo key")
+        raise ConfigError(f"{kind} {clash[0]!r} cannot have a settings section: {path}.{clash[0]} is a {path} key")
     return sections
+
+
+def _add_plugin_sections(owner: Any) -> None:
+    """The registered plugins' sections, at their defaults unless the config gave them (see _build)."""
+    for name, section in _plugin_sections(type(owner)).items():
+        owner.__dict__.setdefault(name, section())
+
+
+def _plugin_owners(config: Config) -> list[tuple[Any, str]]:
+    return [(config.grpo, "grpo"), (config.sampler, "sampler"), (config.grpo.advantage, "grpo.advantage")]
+
+
+def _node(data: dict[str, Any], path: str) -> dict[str, Any]:
+    for key in path.split("."):
+        data = data[key]
+    return data
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {data!r}")
-    sections = _grpo_sections() if cls is GRPOConfig else {}
+    sections = _plugin_sections(cls)
     types_ = {**_field_types(cls), **sections}
     kwargs, built_sections = {}, {}
     for key, value in data.items():
@@ -551,6 +593,7 @@ def validate(config: Config, world_size: int = 1) -> None:
     _check_other_sections(config)
     objective.validate(config)
     get_rollout(s.rollout).validate(config)
+    validate_estimator(config)
     one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
     one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
@@ -620,27 +663,29 @@ def micro_batches_per_pass(config: Config, world_size: int) -> int:
 
 
 def _check_other_sections(config: Config) -> None:
-    """A setting in another objective's section does nothing: refuse it, naming the active objective's key if it
-    has one (``grpo.awm.timesteps`` under nft: did you mean ``grpo.nft.timesteps``?)."""
-    g = config.grpo
-    active = getattr(g, g.objective, None)
-    for name, section in _grpo_sections().items():
-        if name == g.objective:
-            continue
-        given, default = dataclasses.asdict(getattr(g, name)), dataclasses.asdict(section())
-        for key, value in given.items():
-            if value == default.get(key):
+    """A setting in another plugin's section does nothing: refuse it, naming the chosen plugin's key if it has one
+    (``grpo.awm.timesteps`` under nft: did you mean ``grpo.nft.timesteps``?)."""
+    for owner, path in _plugin_owners(config):
+        choice_key = _PLUGIN_CHOICE[type(owner)][0]
+        chosen = getattr(owner, choice_key)
+        active = getattr(owner, chosen, None)
+        for name, section in _plugin_sections(type(owner)).items():
+            if name == chosen:
                 continue
-            shown = str(value).lower() if isinstance(value, bool) else value
-            hint = (
-                f"did you mean grpo.{g.objective}.{key}?"
-                if active is not None and hasattr(active, key)
-                else f"remove it, or set grpo.objective: {name}"
-            )
-            raise ConfigError(
-                f"grpo.{name}.{key}={shown} is a setting of grpo.objective={name}, but grpo.objective="
-                f"{g.objective}; {hint}"
-            )
+            given, default = dataclasses.asdict(getattr(owner, name)), dataclasses.asdict(section())
+            for key, value in given.items():
+                if value == default.get(key):
+                    continue
+                shown = str(value).lower() if isinstance(value, bool) else value
+                hint = (
+                    f"did you mean {path}.{chosen}.{key}?"
+                    if active is not None and hasattr(active, key)
+                    else f"remove it, or set {path}.{choice_key}: {name}"
+                )
+                raise ConfigError(
+                    f"{path}.{name}.{key}={shown} is a setting of {path}.{choice_key}={name}, but "
+                    f"{path}.{choice_key}={chosen}; {hint}"
+                )
 
 
 def _check_ranges(config: Config) -> None:

@@ -66,23 +66,41 @@ def centred_rank(inputs: AdvantageInputs, settings) -> torch.Tensor:
     return out
 
 
+@dataclass
+class ExtrasSettings:
+    columns: int = 2  # width of the "row" extra
+
+
+@dataclass
+class FromExtrasSettings:
+    scale: float = 1.0
+
+
+def _check_from_extras(config):
+    if config.grpo.advantage.from_extras.scale <= 0:
+        raise ConfigError("grpo.advantage.from_extras.scale must be > 0")
+
+
 @register_rollout("chain_with_extras")
 class ChainWithExtras(Chain):
     """The chain rollout, plus a per-sample extra: each image's reward scored at once through ``context.score``."""
+
+    config_class = ExtrasSettings
 
     def collect(self, epoch):
         collected = super().collect(epoch)
         t = collected.trajectory
         scores = self.context.score(t.images, t.prompts, t.metadata, t.source_images)
         t.extras["scored_now"] = scores["total"]
-        t.extras["row"] = torch.arange(len(t), dtype=torch.float32)[:, None].repeat(1, 2)  # [B, 2]: any shape
+        columns = self.context.config.sampler.chain_with_extras.columns
+        t.extras["row"] = torch.arange(len(t), dtype=torch.float32)[:, None].repeat(1, columns)  # any shape
         return collected
 
 
-@register_estimator("from_extras")
+@register_estimator("from_extras", config_class=FromExtrasSettings, validate=_check_from_extras)
 def from_extras(inputs: AdvantageInputs, settings) -> torch.Tensor:
     calls["estimator"].append(dict(inputs.extras, total=inputs.scores["total"]))
-    return inputs.extras["scored_now"] - inputs.extras["scored_now"].mean()
+    return settings.from_extras.scale * (inputs.extras["scored_now"] - inputs.extras["scored_now"].mean())
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -99,12 +117,17 @@ def test_a_rollouts_extras_reach_the_advantage_estimator(tmp_path):
     rollout may score its images at once through RolloutContext.score (the same reward as the final scores)."""
     from flowgrpo.trainer import GRPOTrainer
 
-    config = _config(tmp_path, "sampler.rollout=chain_with_extras", "grpo.advantage.estimator=from_extras")
+    config = _config(
+        tmp_path,
+        "sampler.rollout=chain_with_extras",
+        "sampler.chain_with_extras.columns=3",
+        "grpo.advantage.estimator=from_extras",
+    )
     calls["estimator"].clear()
     GRPOTrainer(config).fit()
     (seen,) = calls["estimator"]
     n = config.grpo.group_size * config.grpo.groups_per_epoch
-    assert seen["row"].shape == (n, 2)
+    assert seen["row"].shape == (n, 3)
     torch.testing.assert_close(seen["scored_now"], seen["total"], rtol=0, atol=0)
 
 
@@ -170,7 +193,7 @@ def test_a_saved_config_names_only_the_active_objectives_section(tmp_path):
         assert load_config(path).to_dict() == saved
     finally:
         register_objective("throwaway")(Throwaway)
-    older = {**saved, "grpo": {**saved["grpo"], **config.default_sections()}}  # every section, at defaults
+    older = config.with_every_section(saved)  # every section, at defaults
     assert "throwaway" in older["grpo"] and "nft" in older["grpo"]
     (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(older))
     assert recipe_changes(tmp_path, config) == []
@@ -212,3 +235,30 @@ def test_per_step_advantages_reach_the_clipped_loss_at_each_samples_position():
     moved = per_step.clone()
     moved[0, 0] = 100.0
     assert not torch.equal(timestep_loss(adapter, config, trajectory, positions, moved)[0], loss)
+
+
+def test_rollouts_and_estimators_have_their_own_sections_like_objectives(tmp_path):
+    """sampler.<rollout> and grpo.advantage.<estimator>: typed, validated, refused when another one is chosen, and
+    saved only while chosen."""
+    chosen = _config(tmp_path, "sampler.rollout=chain_with_extras", "grpo.advantage.estimator=from_extras")
+    saved = chosen.to_dict()
+    assert saved["sampler"]["chain_with_extras"] == {"columns": 2}
+    assert saved["grpo"]["advantage"]["from_extras"] == {"scale": 1.0}
+    plain = _config(tmp_path).to_dict()
+    assert "chain_with_extras" not in plain["sampler"] and "from_extras" not in plain["grpo"]["advantage"]
+    with pytest.raises(
+        ConfigError,
+        match=r"sampler\.chain_with_extras\.columns=4 is a setting of "
+        r"sampler\.rollout=chain_with_extras, but sampler\.rollout=chain; remove it, or set",
+    ):
+        _config(tmp_path, "sampler.chain_with_extras.columns=4")
+    with pytest.raises(
+        ConfigError,
+        match=r"grpo\.advantage\.from_extras\.scale=2\.0 is a setting of "
+        r"grpo\.advantage\.estimator=from_extras",
+    ):
+        _config(tmp_path, "grpo.advantage.from_extras.scale=2")
+    with pytest.raises(ConfigError, match=r"grpo\.advantage\.from_extras\.scale must be > 0"):
+        _config(tmp_path, "grpo.advantage.estimator=from_extras", "grpo.advantage.from_extras.scale=-1")
+    with pytest.raises(ConfigError, match=r"sampler\.chain_with_extras\.columns: expected an integer"):
+        _config(tmp_path, "sampler.rollout=chain_with_extras", "sampler.chain_with_extras.columns=wide")

@@ -8,8 +8,10 @@ from .base import (
     AdvantageInputs,
     available_advantage_estimators,
     compute_advantages,
+    estimator_sections,
     get_advantage_estimator,
     register_advantage_estimator,
+    validate_estimator,
 )
 from .group import STD_EPS, global_std, group_advantages, group_std, per_reward
 
@@ -19,10 +21,12 @@ __all__ = [
     "AdvantageInputs",
     "available_advantage_estimators",
     "compute_advantages",
+    "estimator_sections",
     "get_advantage_estimator",
     "global_std",
     "group_advantages",
     "group_std",
     "per_reward",
     "register_advantage_estimator",
+    "validate_estimator",
 ]

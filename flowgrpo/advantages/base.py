@@ -38,18 +38,41 @@ class AdvantageInputs:
 
 Estimator = Callable[[AdvantageInputs, Any], Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+# name -> (its settings class: the section grpo.advantage.<name>, its validation of a whole config)
+_ESTIMATOR_SETTINGS: dict[str, tuple[type | None, Callable[[Any], None] | None]] = {}
 
 
-def register_advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: make ``grpo.advantage.estimator: <name>`` compute the advantages with this function."""
+def register_advantage_estimator(
+    name: str, *, config_class: type | None = None, validate: Callable[[Any], None] | None = None
+) -> Callable[[Estimator], Estimator]:
+    """Decorator: make ``grpo.advantage.estimator: <name>`` compute the advantages with this function.
+
+    ``config_class`` (a dataclass) adds the section ``grpo.advantage.<name>``; the estimator reads it as
+    ``settings.<name>``. ``validate(config)`` refuses settings it cannot use (a ConfigError naming key and fix),
+    called before anything loads when the estimator is chosen."""
 
     def register(fn: Estimator) -> Estimator:
         if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADVANTAGE_ESTIMATORS[name] = fn
+        _ESTIMATOR_SETTINGS[name] = (config_class, validate)
         return fn
 
     return register
+
+
+def estimator_sections() -> dict[str, type]:
+    """``grpo.advantage.<name>`` config sections: the settings class of every registered estimator that has one."""
+    return {
+        name: cls for name, (cls, _) in _ESTIMATOR_SETTINGS.items() if cls is not None and name in ADVANTAGE_ESTIMATORS
+    }
+
+
+def validate_estimator(config: Any) -> None:
+    """The chosen estimator's own checks of ``config`` (none unless it registered a ``validate``)."""
+    _, check = _ESTIMATOR_SETTINGS.get(config.grpo.advantage.estimator, (None, None))
+    if check is not None:
+        check(config)
 
 
 def available_advantage_estimators() -> list[str]:

@@ -163,11 +163,9 @@ def recipe_changes(checkpoint: Path, config: Config) -> list[str]:
     if old is None:
         return []
     before, now = _flat(old), _flat(config.to_dict())
-    defaults = _flat(
-        {**type(config)().to_dict(), "grpo": {**type(config)().to_dict()["grpo"], **config.default_sections()}}
-    )
+    defaults = _flat(config.with_every_section(type(config)().to_dict()))
     # A key on one side only, at its default on the other, changes nothing: grpo.objective on an older run, or an
-    # inactive objective's section (older runs wrote every section).
+    # inactive plugin's section (older runs wrote every objective's section).
     one_sided = (set(now) ^ set(before)) & set(defaults)
     at_default = {k for k in one_sided if now.get(k, before.get(k)) == defaults[k]}
     keys = sorted((set(before) | set(now)) - BOOKKEEPING_KEYS - at_default)

@@ -14,6 +14,7 @@ from .base import (
     available_rollouts,
     get_rollout,
     register_rollout,
+    rollout_sections,
 )
 from .chain import make_window
 
@@ -26,4 +27,5 @@ __all__ = [
     "get_rollout",
     "make_window",
     "register_rollout",
+    "rollout_sections",
 ]

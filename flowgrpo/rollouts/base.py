@@ -73,6 +73,7 @@ class RolloutStrategy:
     """Base class of the registered rollout strategies: built once per run, ``collect`` once per epoch."""
 
     name: str = ""
+    config_class: type | None = None  # optional dataclass: its section, sampler.<name>
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context
@@ -99,6 +100,11 @@ def register_rollout(name: str):
         return cls
 
     return register
+
+
+def rollout_sections() -> dict[str, type]:
+    """``sampler.<name>`` config sections: the settings class of every registered strategy that has one."""
+    return {name: cls.config_class for name, cls in ROLLOUTS.items() if cls.config_class is not None}
 
 
 def available_rollouts() -> list[str]:
