@@ -52,3 +52,12 @@ def test_table_gains_are_against_the_same_seeds_base(tmp_path):
     assert "+4.0 ± 1.4 | +5.0 / +3.0 | +1.5 ± 0.7 | 90.0 | 3.0 | 3 | 384 | 12" in rows["`shapes`"]
     assert "+11.0 ± 1.4 | +12.0 / +10.0 | +10.0 ± 0.0 | 90.0 | 2.0 | 2 | 256 | 8" in rows["`shapes_nft`"]
     assert "`shapes_nft` ×1: +7.0 ± 1.4 points: better" in page and "(1536 images)" in page
+
+
+def test_curves_are_trailing_means_interpolated_inside_each_runs_span(tmp_path):
+    rows = [{"reward/total/mean": float(r), "time/elapsed": 60.0 * i} for i, r in enumerate([0, 1, 2, 3])]
+    curve = cm.smoothed_curve(rows, [0.0, 0.5, 1.0, 3.0, 4.0], window=2)  # trailing means 0, 0.5, 1.5, 2.5
+    assert curve[:4] == pytest.approx([0.0, 0.25, 0.5, 2.5]) and math.isnan(curve[4])
+    runs = [_run("shapes", 0, 0.45, 0.32, 3, tmp_path), _run("shapes", 1, 0.53, 0.36, 2, tmp_path)]
+    cm.write_curves(runs, tmp_path / "curves.png", minutes=2.0)
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
