@@ -37,8 +37,11 @@ class RunConfig:
     output_dir: str = "runs"  # each run gets output_dir/<name>-<time>/ (never overwritten)
     seed: int = 42
     epochs: int = 100  # sampling + training rounds
-    max_minutes: float = 0.0  # wall-clock budget of a training attempt (0: none): the run ends, checkpointed, after
-    #                           the epoch during which it ran out (equal-time method comparisons)
+    max_minutes: float = 0.0  # time budget of a training attempt (0: none): the run ends, checkpointed, after the
+    #                           epoch during which it ran out (equal-time method comparisons), on budget_clock
+    budget_clock: str = "wall"  # wall: wall-clock | cpu: this process's CPU time over all its threads (time/cpu):
+    #                             on one thread (OMP_NUM_THREADS=1) the wall-clock of an idle core, and unmoved by
+    #                             other jobs sharing the machine (scripts/compare_methods.py uses it)
     resume: str | None = None  # a checkpoint directory, a run directory, or "latest" (newest run of this name)
     log_every: int = 1  # epochs between console log lines
     trackers: list[str] = field(default_factory=list)  # accelerate trackers: "tensorboard", "wandb"
@@ -694,6 +697,7 @@ def _check_ranges(config: Config) -> None:
     w = s.window
     check_range("run.seed", r.seed, 0, 2**32 - 1, why="numpy's seed range")
     check_range("run.max_minutes", r.max_minutes, 0)
+    one_of("run.budget_clock", r.budget_clock, ("wall", "cpu"))
     at_least_one = {
         "run.epochs": r.epochs,
         "run.log_every": r.log_every,

@@ -268,7 +268,7 @@ class GRPOTrainer:
         )
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         budget = cfg.run.max_minutes * 60 if cfg.run.max_minutes else math.inf
         with stop_on_signals(self.stop):
             for epoch in bar:
@@ -293,14 +293,19 @@ class GRPOTrainer:
                     new_best = self.state.best_eval is not None and self.state.best_eval != best_before
                     if new_best:
                         self.state.best_checkpoint = checkpoint_name(epoch + 1)
-                # this attempt's wall-clock, evaluations included
-                metrics["time/elapsed"] = elapsed = time.perf_counter() - started
+                # this attempt's wall-clock and CPU time (all its threads), evaluations included
+                metrics["time/elapsed"] = time.perf_counter() - started
+                metrics["time/cpu"] = time.process_time() - cpu_started
+                elapsed = metrics["time/cpu" if cfg.run.budget_clock == "cpu" else "time/elapsed"]
                 self._log(metrics, epoch)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.4f}")
                 # every process decides together (clocks differ): a collective each epoch when a budget is set
                 out_of_time = budget < math.inf and any_process(acc, elapsed >= budget)
                 if out_of_time:
-                    acc.print(f"run.max_minutes={cfg.run.max_minutes:g} reached after epoch {epoch}: finishing")
+                    acc.print(
+                        f"run.max_minutes={cfg.run.max_minutes:g} ({cfg.run.budget_clock} clock) reached after epoch "
+                        f"{epoch}: finishing"
+                    )
                 done = epoch + 1 == cfg.run.epochs or out_of_time
                 stopping = self._agree_to_stop()  # a signal may have reached only some processes since the last step
                 if stopping or done or new_best or (save_every and (epoch + 1) % save_every == 0):

@@ -1,20 +1,23 @@
-"""Compare RL methods on the shapes task at equal wall-clock: 3 seeds each, every final model evaluated with 8
-images per held-out line; writes a markdown table and a reward-curve plot.
+"""Compare RL methods on the shapes task at equal time: 3 seeds each, every final model evaluated with 8 images per
+held-out line; writes a markdown table and a reward-curve plot.
 
 python scripts/compare_methods.py [--presets shapes shapes_awm shapes_nft] [--seeds 0 1 2] [--minutes 3.5]
-    [--budgets 1 2] [--jobs 2] [--work runs/compare_methods] [--out docs/methods.md] [key.sub=value ...]
+    [--budgets 1 2] [--clock cpu] [--jobs 2] [--work runs/compare_methods] [--out docs/methods.md] [key.sub=value ...]
 
 Each preset (``configs/<preset>.yaml`` or a path) trains under ``run.max_minutes = minutes × budget`` on one thread
-(``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time and nothing else on the machine: the budget is wall-clock, so a
-busy machine gives a method fewer epochs. Its run ends after the epoch that spent the budget (the preset's
+(``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time. The budget's clock (``run.budget_clock``) is by default the
+process's CPU time, which on one thread is the wall-clock of an idle core and which other work on the machine does
+not spend (``--clock wall``: the wall-clock, fair only on an otherwise idle machine). Its run ends after the epoch
+that spent the budget (the preset's
 ``run.epochs`` is lifted so that the budget, not the epoch count, ends it; a preset whose lr schedule depends on
 ``run.epochs`` is therefore refused). The shipped model is evaluated under each seed's noise too, and a gain is
 the trained model's accuracy minus the base model's under the same seed. Runs already finished under ``--work``
 are reused (delete the folder to redo them).
 
 The table reports, per preset and budget: colour+count and exact gain (mean ± sample std over seeds, and each
-seed's), colour+count pass@8, wall-clock, epochs, images sampled and optimizer steps. A difference from the first
-preset is called within noise when it is smaller than twice its standard error, sqrt(s₁²/n₁ + s₂²/n₂).
+seed's), colour+count pass@8, minutes on the budget's clock, epochs, images sampled and optimizer steps. A
+difference from the first preset is called within noise when it is smaller than twice its standard error,
+sqrt(s₁²/n₁ + s₂²/n₂).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["shapes", "shapes_awm", "shapes_nft"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--minutes", type=float, default=3.5, help="the budget unit: the main job's wall-clock")
+    parser.add_argument("--minutes", type=float, default=3.5, help="the budget unit: the main job's time")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="run.budget_clock of every run")
     parser.add_argument("--budgets", nargs="+", type=float, default=[1.0], help="multiples of --minutes")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     parser.add_argument("--eval-samples", type=int, default=8, help="images per held-out line")
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(args.work)
     runs = [
-        Run(p, b, s, work / f"{_stem(p)}-x{b:g}" / f"seed{s}")
+        Run(p, b, s, work / f"{_stem(p)}-{args.minutes * b:g}min-{args.clock}" / f"seed{s}")
         for b in args.budgets
         for p in args.presets
         for s in args.seeds
@@ -89,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         failed = [
             r
             for r, rc in zip(
-                todo, pool.map(_train, todo, [args.minutes] * len(todo), [args.overrides] * len(todo)), strict=True
+                todo,
+                pool.map(
+                    _train, todo, [args.minutes] * len(todo), [args.overrides] * len(todo), [args.clock] * len(todo)
+                ),
+                strict=True,
             )
             if rc != 0
         ]
@@ -110,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot = out.with_name(out.stem + "_curves.png")
-    write_curves(runs, plot, args.minutes)
+    write_curves(runs, plot, args.minutes, CLOCKS[args.clock])
     out.write_text(write_table(runs, base, args, plot.name), encoding="utf-8")
     print(f"table: {out}\ncurves: {plot}")
     return 0
 
 
 # ---------------------------------------------------------------------------- running
+CLOCKS = {"cpu": "time/cpu", "wall": "time/elapsed"}  # --clock -> the metric the budget is measured on
+
+
 def _preset_path(preset: str) -> Path:
     path = Path(preset)
     return path if path.suffix in (".yaml", ".yml") else ROOT / "configs" / f"{preset}.yaml"
@@ -135,7 +146,7 @@ def _final_checkpoint(folder: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def _train(run: Run, minutes: float, overrides: list[str]) -> int:
+def _train(run: Run, minutes: float, overrides: list[str], clock: str = "cpu") -> int:
     if run.folder.exists():  # an unfinished attempt: start over
         import shutil
 
@@ -150,6 +161,7 @@ def _train(run: Run, minutes: float, overrides: list[str]) -> int:
         f"run.seed={run.seed}",
         f"run.output_dir={run.folder}",
         f"run.max_minutes={minutes * run.budget}",
+        f"run.budget_clock={clock}",
         f"run.epochs={EPOCHS_CAP}",
         "eval.every=0",
         "checkpoint.every=0",
@@ -238,11 +250,13 @@ def write_table(
     command = " ".join(["python scripts/compare_methods.py", *sys.argv[1:]]) if argv_shown is None else argv_shown
     evaluated = int(base[args.seeds[0]].get("images", 0))
     pass_k = f"{COLOR_COUNT}/pass@{args.eval_samples}"
+    clock_name = "CPU time" if args.clock == "cpu" else "wall-clock"
     lines = [
         "# Methods on the shapes task",
         "",
         f"Written by `{command}`: each preset trained on one thread ({args.jobs} runs at a time) for "
-        f"{args.minutes:g} minutes × the budget, then its final model evaluated with {args.eval_samples} images per "
+        f"{args.minutes:g} minutes × the budget ({clock_name}), then its final model evaluated with "
+        f"{args.eval_samples} images per "
         f"held-out line ({evaluated} images). Gains are in points against the shipped "
         f"model under the same seed's noise (base colour+count: {', '.join(f'{v:.1f}' for v in base_cc)}). "
         "± is the sample standard deviation over seeds.",
@@ -259,7 +273,7 @@ def write_table(
         gains[preset, budget] = cc
         (m, s), (me, se) = mean_std(cc), mean_std(exact)
         pass8 = statistics.fmean(100 * r.summary.get(pass_k, math.nan) for r in group)
-        minutes = statistics.fmean(r.rows[-1]["time/elapsed"] / 60 for r in group)
+        minutes = statistics.fmean(r.rows[-1][CLOCKS[args.clock]] / 60 for r in group)
         epochs = statistics.fmean(len(r.rows) for r in group)
         images = statistics.fmean(len(r.rows) * r.images_per_epoch for r in group)
         steps = statistics.fmean(r.rows[-1]["global_step"] for r in group)
@@ -283,21 +297,21 @@ def write_table(
     return "\n".join(lines)
 
 
-def smoothed_curve(rows: list[dict], grid: list[float], window: int = 5) -> list[float]:
+def smoothed_curve(rows: list[dict], grid: list[float], window: int = 5, clock: str = "time/cpu") -> list[float]:
     """A run's training reward on ``grid`` (minutes): the epochs' mean reward averaged over the last ``window``
     epochs (an epoch's 16 prompts move it by ±0.1, more than a method does in minutes), then interpolated linearly
     at each grid point within the run's span (NaN outside it)."""
     import numpy as np
 
-    x = np.array([row["time/elapsed"] / 60 for row in rows])
+    x = np.array([row[clock] / 60 for row in rows])
     y = np.array([row["reward/total/mean"] for row in rows], dtype=float)
     trailing = np.array([y[max(0, i - window + 1) : i + 1].mean() for i in range(len(y))])
     inside = (np.asarray(grid) >= x[0]) & (np.asarray(grid) <= x[-1]) if len(x) else np.zeros(len(grid), bool)
     return np.where(inside, np.interp(grid, x, trailing) if len(x) else np.nan, np.nan).tolist()
 
 
-def write_curves(runs: list[Run], path: Path, minutes: float) -> None:
-    """Each preset's training reward against wall-clock minutes, smoothed over 5 epochs: the mean over seeds as a
+def write_curves(runs: list[Run], path: Path, minutes: float, clock: str = "time/cpu") -> None:
+    """Each preset's training reward against minutes on ``clock``, smoothed over 5 epochs: the mean over seeds as a
     line, the seeds' range shaded; dotted lines mark the budgets."""
     import matplotlib
     import numpy as np
@@ -311,10 +325,12 @@ def write_curves(runs: list[Run], path: Path, minutes: float) -> None:
         key = (run.preset, run.seed)
         if key not in longest or run.budget > longest[key].budget:
             longest[key] = run
-    end = max((row["time/elapsed"] / 60 for run in longest.values() for row in run.rows), default=minutes)
+    end = max((row[clock] / 60 for run in longest.values() for row in run.rows), default=minutes)
     grid = np.linspace(0, end, 200)
     for preset in dict.fromkeys(run.preset for run in runs):
-        curves = np.array([smoothed_curve(r.rows, grid.tolist()) for (p, _), r in longest.items() if p == preset])
+        curves = np.array(
+            [smoothed_curve(r.rows, grid.tolist(), clock=clock) for (p, _), r in longest.items() if p == preset]
+        )
         if not len(curves):
             continue
         seen = ~np.isnan(curves).all(axis=0)
@@ -324,7 +340,7 @@ def write_curves(runs: list[Run], path: Path, minutes: float) -> None:
         ax.fill_between(grid[seen], low, high, color=line.get_color(), alpha=0.15, lw=0)
     for budget in sorted({r.budget for r in runs}):
         ax.axvline(minutes * budget, color="grey", ls=":", lw=1)
-    ax.set_xlabel("wall-clock minutes (one thread)")
+    ax.set_xlabel("CPU minutes, one thread" if clock == "time/cpu" else "wall-clock minutes, one thread")
     ax.set_ylabel("training reward, mean of the last 5 epochs")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

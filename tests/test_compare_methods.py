@@ -30,7 +30,7 @@ def _run(preset, seed, cc, exact, steps, tmp_path):
     run = cm.Run(preset, 1.0, seed, tmp_path)
     run.summary = {cm.COLOR_COUNT: cc, cm.EXACT: exact, f"{cm.COLOR_COUNT}/pass@8": 0.9}
     run.rows = [
-        {"reward/total/mean": 0.5, "time/elapsed": 60.0 * (i + 1), "global_step": 4 * (i + 1)} for i in range(steps)
+        {"reward/total/mean": 0.5, "time/cpu": 60.0 * (i + 1), "global_step": 4 * (i + 1)} for i in range(steps)
     ]
     run.images_per_epoch = 128
     return run
@@ -45,7 +45,7 @@ def test_table_gains_are_against_the_same_seeds_base(tmp_path):
         _run("shapes_nft", 1, 0.60, 0.45, 2, tmp_path),
     ]
     args = argparse.Namespace(
-        presets=["shapes", "shapes_nft"], seeds=[0, 1], minutes=3.0, budgets=[1.0], jobs=2, eval_samples=8
+        presets=["shapes", "shapes_nft"], seeds=[0, 1], minutes=3.0, budgets=[1.0], jobs=2, eval_samples=8, clock="cpu"
     )
     page = cm.write_table(runs, base, args, "curves.png", argv_shown="cmd")
     rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| `")}
@@ -55,7 +55,7 @@ def test_table_gains_are_against_the_same_seeds_base(tmp_path):
 
 
 def test_curves_are_trailing_means_interpolated_inside_each_runs_span(tmp_path):
-    rows = [{"reward/total/mean": float(r), "time/elapsed": 60.0 * i} for i, r in enumerate([0, 1, 2, 3])]
+    rows = [{"reward/total/mean": float(r), "time/cpu": 60.0 * i} for i, r in enumerate([0, 1, 2, 3])]
     curve = cm.smoothed_curve(rows, [0.0, 0.5, 1.0, 3.0, 4.0], window=2)  # trailing means 0, 0.5, 1.5, 2.5
     assert curve[:4] == pytest.approx([0.0, 0.25, 0.5, 2.5]) and math.isnan(curve[4])
     runs = [_run("shapes", 0, 0.45, 0.32, 3, tmp_path), _run("shapes", 1, 0.53, 0.36, 2, tmp_path)]

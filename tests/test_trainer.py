@@ -186,6 +186,19 @@ def test_a_time_budget_ends_the_run_checkpointed_after_the_epoch_that_spent_it(t
     assert [p.name for p in (trainer.run_dir / "checkpoints").iterdir()] == ["epoch-00001"]
 
 
+def test_a_cpu_time_budget_counts_this_process_cpu_seconds_not_the_wall_clock(tmp_path, monkeypatch):
+    """run.budget_clock=cpu: other jobs on the machine (the wall-clock) do not spend the budget; this process's CPU
+    time does. With the CPU clock frozen the same tiny budget that ends a wall-clock run after one epoch never runs
+    out."""
+    import flowgrpo.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module.time, "process_time", lambda: 123.0)
+    budget = ("run.epochs=2", "run.max_minutes=1e-4", "eval.every=0", "checkpoint.every=0")
+    trainer, _, rows = _train(tmp_path, *budget, "run.budget_clock=cpu")
+    assert trainer.state.epoch == 2 and [r["time/cpu"] for r in rows] == [0.0, 0.0]
+    assert all(r["time/elapsed"] > 1e-4 * 60 for r in rows)
+
+
 def test_a_nan_eval_reward_is_never_a_new_best(tmp_path, monkeypatch):
     import flowgrpo.trainer as trainer_module
 
