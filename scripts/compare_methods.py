@@ -106,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         n = len(args.seeds)
         evaluated = pool.map(
-            _evaluate_base, [args.presets[0]] * n, args.seeds, [args.eval_samples] * n, [args.overrides] * n
+            _evaluate_base,
+            [args.presets[0]] * n,
+            args.seeds,
+            [args.eval_samples] * n,
+            [args.overrides] * n,
+            [work] * n,
         )
         base = dict(zip(args.seeds, evaluated, strict=True))
         summaries = list(pool.map(_evaluate_run, [r.folder for r in runs], [args.eval_samples] * len(runs)))
@@ -197,10 +202,25 @@ def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]
     return {**summary, "images": float(len(prompts))}  # one prompt per evaluated image
 
 
-def _evaluate_base(preset: str, seed: int, samples: int, overrides: list[str]) -> dict[str, float]:
+def _evaluate_base(
+    preset: str, seed: int, samples: int, overrides: list[str], work: Path | None = None
+) -> dict[str, float]:
+    """The shipped model under ``preset``'s evaluation and ``seed``'s noise; cached under ``work/base/`` by preset,
+    seed, samples and overrides."""
+    import hashlib
+
     from flowgrpo.config import load_config
 
-    return _evaluate(load_config(_preset_path(preset), [*overrides, f"run.seed={seed}"]), None, samples)
+    config = load_config(_preset_path(preset), [*overrides, f"run.seed={seed}"])
+    key = hashlib.sha256(json.dumps([config.model.pretrained, str(config.data.test), overrides]).encode()).hexdigest()
+    cached = None if work is None else work / "base" / f"{_stem(preset)}-seed{seed}-eval{samples}-{key[:10]}.json"
+    if cached is not None and cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    summary = _evaluate(config, None, samples)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps(summary), encoding="utf-8")
+    return summary
 
 
 def _evaluate_run(folder: Path, samples: int) -> dict[str, float]:
