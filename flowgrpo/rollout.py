@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]  # v(x, sigma)
 StepFn = Callable[[Tensor, Tensor, Tensor, Tensor], Transition]  # (v, x, t, t_next): sde_step with its options bound
+# (i, x_i, t_i, v(x_i, t_i)): a window or post-window step of the plan's schedule, seen before it is taken (read-only)
+StepObserver = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
 @dataclass
@@ -245,6 +247,7 @@ def rollout(
     noise_seed: int = 0,
     progress: bool = False,
     sources: Sequence[Any] | None = None,
+    observe: StepObserver | None = None,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE
     (the steps after the window: ``sampler.post_window.solver``; the final step: the SDE too, unstored, when
@@ -252,7 +255,10 @@ def rollout(
     With ``sampler.same_initial_noise`` and ``sampler.shared_prefix``, the ODE steps before the window run once per
     group of the batch (its images' latents are identical there) and fan out at the window. ``sources`` (editing):
     each prompt's source image (a file path or PIL image), encoded once and carried in the trajectory's embeddings.
-    The parts of the schedule: :class:`RolloutPlan`."""
+    ``observe(i, x, t, v)`` (dense rewards) is called at every window and post-window step ``i`` of the plan's
+    schedule before the step is taken, with every image's latents, the step's sigma and the velocity the step
+    uses (the forward the rollout makes anyway); it must not modify them. The parts of the schedule:
+    :class:`RolloutPlan`."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")
@@ -273,8 +279,8 @@ def rollout(
     prefix_velocity = velocity_fn if rows is None else _velocity_fn(adapter, embeds.select(rows[0]), sampler, gs)
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
-        x, history, stored = _window(plan, velocity_fn, sde, x, history, bar)  # SDE, stored
-        x = _tail(plan, velocity_fn, sde, x, history, bar)  # the post-window solver; the final SDE step
+        x, history, stored = _window(plan, velocity_fn, sde, x, history, bar, observe)  # SDE, stored
+        x = _tail(plan, velocity_fn, sde, x, history, bar, observe)  # the post-window solver; the final SDE step
 
     before, after, log_probs, stds = stored
     window_idx = list(plan.window)
@@ -371,6 +377,7 @@ def _window(
     x: Tensor,
     history: SolverHistory,
     bar: tqdm,
+    observe: StepObserver | None = None,
 ) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
     """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
     stds)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``)."""
@@ -378,6 +385,8 @@ def _window(
     for i in plan.window:
         t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
         v = velocity_fn(x, t)
+        if observe is not None:
+            observe(i, x, t, v)
         history = _record(plan, x, t, v, history)
         step = sde(v, x, t, t_next)
         before.append(x)
@@ -391,18 +400,31 @@ def _window(
 
 
 def _tail(
-    plan: RolloutPlan, velocity_fn: VelocityFn, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm
+    plan: RolloutPlan,
+    velocity_fn: VelocityFn,
+    sde: StepFn,
+    x: Tensor,
+    history: SolverHistory,
+    bar: tqdm,
+    observe: StepObserver | None = None,
 ) -> Tensor:
     """The steps after the window: the post-window solver's (from the carried history, if any); then, with
     ``last_step_sde``, the final step with the SDE, as Flow-GRPO samples it (never trained: nothing is stored)."""
     solver = get_solver(plan.tail_solver)
     for i in plan.tail:
         t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        x, history = solver(velocity_fn(x, t), x, t, t_next, history)
+        v = velocity_fn(x, t)
+        if observe is not None:
+            observe(i, x, t, v)
+        x, history = solver(v, x, t, t_next, history)
         bar.update()
     if plan.last_step_sde:
-        t, t_next = plan.sigmas[plan.num_steps - 1], plan.sigmas[plan.num_steps]
-        x = sde(velocity_fn(x, t), x, t, t_next).sample
+        i = plan.num_steps - 1
+        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
+        v = velocity_fn(x, t)
+        if observe is not None:
+            observe(i, x, t, v)
+        x = sde(v, x, t, t_next).sample
         bar.update()
     return x
 

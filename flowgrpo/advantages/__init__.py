@@ -1,8 +1,11 @@
 """Advantage estimators, one registered function each (``grpo.advantage.estimator``); see :mod:`.base`.
 
-Built in (:mod:`.group`): ``group`` (group mean and std), ``global_std`` (Flow-GRPO), ``per_reward`` (MixGRPO).
+Built in (:mod:`.group`): ``group`` (group mean and std), ``global_std`` (Flow-GRPO), ``per_reward`` (MixGRPO);
+per window step from the stage rewards of ``sampler.rollout: dense``: ``turning_point`` (:mod:`.tp`, TP-GRPO) and
+``vgpo`` (:mod:`.vgpo`, VGPO).
 """
 
+from . import tp, vgpo  # noqa: F401  (register the per-step estimators)
 from .base import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,

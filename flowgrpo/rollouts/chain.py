@@ -8,13 +8,13 @@ train the final samples only (``rollout = "ode"``) get no window: every step is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from samplers import NoWindow, SlidingWindow
 
-from ..rollout import Trajectory, rollout
+from ..rollout import StepObserver, Trajectory, rollout
 from .base import Collected, RolloutStrategy, register_rollout
 
 if TYPE_CHECKING:
@@ -69,20 +69,7 @@ class Chain(RolloutStrategy):
                 else window
             )
             starts.append(batch_window.start if batch_window else -1)
-            trajectory = rollout(
-                ctx.adapter,
-                prompts,
-                [s.group_id for s in batch],
-                cfg.sampler,
-                batch_window,
-                ctx.generator,
-                height=cfg.model.resolution,
-                width=cfg.model.resolution,
-                log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata,
-                noise_seed=cfg.run.seed,
-                sources=sources,
-            )
+            trajectory = self.sample_batch(prompts, [s.group_id for s in batch], metadata, sources, batch_window)
             # scored while the next batch samples; editing rewards also see each sample's source image
             ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
             trajectory.images = trajectory.images.cpu()  # kept for image grids only: free the device memory
@@ -91,3 +78,32 @@ class Chain(RolloutStrategy):
                 return None
         start = sum(starts) / len(starts) if cfg.sampler.window.per_batch else starts[0]  # mean of the batches'
         return Collected(Trajectory.cat(parts), {"window/start": start, "window/size": len(window)})
+
+    def sample_batch(
+        self,
+        prompts: list[str],
+        group_ids: list[int],
+        metadata: list[dict[str, Any]],
+        sources: list[Any] | None,
+        window: range,
+        observe: StepObserver | None = None,
+    ) -> Trajectory:
+        """One rollout batch (:func:`flowgrpo.rollout.rollout` with the run's sampler; ``observe`` sees its window
+        and post-window steps). A subclass adds to it (the dense rollout scores each stage's one-step prediction)
+        without repeating the epoch's loop."""
+        cfg = self.context.config
+        return rollout(
+            self.context.adapter,
+            prompts,
+            group_ids,
+            cfg.sampler,
+            window,
+            self.context.generator,
+            height=cfg.model.resolution,
+            width=cfg.model.resolution,
+            log_prob_reduce=cfg.grpo.log_prob_reduce,
+            metadata=metadata,
+            noise_seed=cfg.run.seed,
+            sources=sources,
+            observe=observe,
+        )
