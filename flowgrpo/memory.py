@@ -11,8 +11,10 @@ Per process, with
     P = pixel values per sample = 3 · F · H · W (F = model.num_frames for video, 1 for images)
     N = samples per process per epoch = ⌈grpo.group_size · grpo.groups_per_epoch / processes⌉
     S = stored steps = sampler.window.size (0: sampler.num_steps - window.end_margin) for an objective that
-        re-scores the window's SDE transitions (clipped); 1 under ``sampler.rollout: branch`` (each image keeps
-        its branch step); 0 for one that trains on the final samples (awm, nft)
+        re-scores the window's SDE transitions (clipped); 1 under ``sampler.rollout: branch`` or ``entropy_merge``
+        (each image keeps its branch step); 0 for one that trains on the final samples (awm, nft);
+        W under ``sampler.rollout: tree``: each edge of a group's tree stored once, dealt over its
+        leaves (rollouts/tree.py ``stored_slots``, the first epoch's)
     B = sampler.batch_size, b = bytes per latent element (model.dtype; the rollout noise is drawn as float32)
 
 the buffers are
@@ -20,7 +22,8 @@ the buffers are
     device (the accelerator; RAM on a CPU run)
         stored trajectory   N · (2S + 1) · L · b   latents before and after each stored step, final latents
         rollout batch       3 · B · L · b          the chain's state, its velocity and the next state (5 · B · L · b
-                                                   under ``branch``: trunks, branched images, before/after a step)
+                                                   under ``branch`` / ``entropy_merge``: trunks, branched images,
+                                                   before/after a step)
         decoded batch       B · P · 4              the VAE's float32 images of one rollout batch
     host (RAM)
         initial noise       B · L · 4              drawn on the CPU (the trainer's generator), then moved
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     from .config import Config
 
 FLOAT32 = 4  # bytes: noise, decoded images
+BRANCHED = ("branch", "entropy_merge")  # rollouts that store one transition per image (rollouts/branch.py, merged.py)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,11 @@ def stored_steps(config: Config, stores_transitions: bool) -> int:
     if not stores_transitions:
         return 0
     s = config.sampler
-    if s.rollout == "branch":  # one transition per image: its branch step (the window is refused there)
+    if s.rollout == "tree":  # each tree edge once, dealt over its leaves
+        from .rollouts.tree import stored_slots
+
+        return stored_slots(config)
+    if s.rollout in BRANCHED:  # one transition per image: its branch step (the window is refused there)
         return 1
     return s.window.size or max(s.num_steps - s.window.end_margin, 0)
 
@@ -122,7 +130,7 @@ def estimate(
     return MemoryEstimate(
         device={
             "stored trajectory": n * (2 * steps + 1) * latent * b,
-            "rollout batch": (5 if config.sampler.rollout == "branch" else 3) * batch * latent * b,
+            "rollout batch": (5 if config.sampler.rollout in (*BRANCHED, "tree") else 3) * batch * latent * b,
             "decoded batch": batch * shape.pixels * FLOAT32,
         },
         host={
@@ -225,9 +233,14 @@ def _message(
     steps_hint = (
         f"the stored steps (sampler.window.size={s.window.size}, sampler.num_steps={s.num_steps}: "
         f"{found.stored_steps} kept per sample)"
-        if s.rollout != "branch"
-        else "the stored steps (one per image under sampler.rollout=branch)"
+        if s.rollout not in BRANCHED
+        else f"the stored steps (one per image under sampler.rollout={s.rollout})"
     )
+    if s.rollout == "tree":
+        steps_hint = (
+            f"the stored steps ({found.stored_steps} slots per image under sampler.rollout=tree; "
+            "sampler.tree.prune_steps drops some)"
+        )
     return (
         f"model.resolution={m.resolution}{frames} needs at least {_size(needed)} of {where} for its latents and "
         f"rollout buffers{shared} ({listed}; each sample's latents are {shape.latent_shape} "

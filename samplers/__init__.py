@@ -16,6 +16,7 @@ from ._core import (
     squared_error_log_prob,
     transition_kl,
 )
+from .merge import entropy_merge_plan, gaussian_entropy, merged_sde_step, merged_step_std
 from .schedule import calculate_shift, pipeline_schedule, static_shift_schedule, time_shift, truncated_timesteps
 from .solvers import (
     MULTISTEP_SOLVERS,
@@ -68,9 +69,11 @@ __all__ = [
     "dance_diffusion",
     "dpmpp_2m_solver_step",
     "dpmpp_2m_step",
+    "entropy_merge_plan",
     "euler_maruyama_step",
     "euler_solver_step",
     "flowgrpo_diffusion",
+    "gaussian_entropy",
     "gaussian_kl",
     "gaussian_log_prob",
     "get_sde_step",
@@ -78,6 +81,8 @@ __all__ = [
     "integrate_ode",
     "langevin_correction",
     "langevin_step",
+    "merged_sde_step",
+    "merged_step_std",
     "mixgrpo_tail_schedule",
     "ode_step",
     "pipeline_schedule",

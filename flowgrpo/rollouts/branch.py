@@ -55,7 +55,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from samplers import get_sde_step, ode_step, sde_step
+from samplers import get_sde_step, ode_step
+from samplers.merge import merged_sde_step
 
 from ..checks import ConfigError, one_of
 from ..objectives import get_objective
@@ -112,25 +113,39 @@ def branch_rollout(
     metadata: list[dict[str, Any]] | None = None,
     noise_seed: int = 0,
     sources: Sequence[Any] | None = None,
+    spans: Tensor | Sequence[int] | None = None,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images, image ``r`` branching at schedule step ``branch_steps[r]`` (the same for the
     images of one group and prompt): the ODE before it (once per group with ``sampler.shared_prefix``, when the
     group's initial latents are equal), one ``sampler.kind`` SDE step at it (stored), the Euler ODE after it.
-    The trajectory holds that one transition per image. Arguments as :func:`flowgrpo.rollout.rollout`."""
+    The trajectory holds that one transition per image. Arguments as :func:`flowgrpo.rollout.rollout`.
+
+    ``spans`` (E-GRPO's merged steps, :mod:`.merged`; default all 1): image ``r``'s SDE step jumps from
+    ``t_k`` to ``t_{k+m}``, ``m = spans[r]`` (:func:`samplers.merge.merged_sde_step`), and its ODE resumes at step
+    ``k + m``; stored ``sigmas_next`` is ``t_{k+m}``. A step at which no row needs the network (every image inside
+    its merged step) still runs one forward, on one such row, discarded: every batch runs ``T`` forwards."""
     prompts = list(prompts)
     n = len(prompts)
     if not prompts:
         raise ValueError("branch_rollout needs at least one prompt, got an empty list")
     group_ids = torch.as_tensor(list(group_ids) if not isinstance(group_ids, Tensor) else group_ids)
     ks = torch.as_tensor(list(branch_steps) if not isinstance(branch_steps, Tensor) else branch_steps).long().cpu()
-    if group_ids.shape != (n,) or ks.shape != (n,):
+    spans = torch.ones_like(ks) if spans is None else torch.as_tensor(spans).long().cpu()
+    if group_ids.shape != (n,) or ks.shape != (n,) or spans.shape != (n,):
         raise ValueError(
-            f"group_ids {tuple(group_ids.shape)} and branch_steps {tuple(ks.shape)} need one entry per prompt ({n})"
+            f"group_ids {tuple(group_ids.shape)}, branch_steps {tuple(ks.shape)} and spans {tuple(spans.shape)} need "
+            f"one entry per prompt ({n})"
         )
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width, time_shift=sampler.time_shift)
     num_steps = len(sigmas) - 1
+    ends = ks + spans  # where each image's ODE resumes
     if int(ks.min()) < 0 or int(ks.max()) > num_steps - 2:
         raise ValueError(f"branch steps must lie in 0..{num_steps - 2} (the last step is ODE), got {ks.tolist()}")
+    if int(spans.min()) < 1 or int(ends.max()) > num_steps - 1:
+        raise ValueError(
+            f"merged steps (branch step + span) must end by step {num_steps - 1} (the last step is ODE) with spans "
+            f">= 1, got steps {ks.tolist()} and spans {spans.tolist()}"
+        )
     get_sde_step(sampler.kind, sampler.log_prob)  # an unknown kind is refused before any network call
     gs = sampler.guidance_scale
     embeds = adapter.encode_conditions(
@@ -139,8 +154,8 @@ def branch_rollout(
     x = _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
     rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None) if sampler.shared_prefix else None
     unique, fan_out = rows if rows is not None else (torch.arange(n), torch.arange(n))
-    if not torch.equal(ks[unique][fan_out], ks):
-        raise ValueError("the images of one group and prompt share their trunk: give them one branch step")
+    if not torch.equal(ks[unique][fan_out], ks) or not torch.equal(spans[unique][fan_out], spans):
+        raise ValueError("the images of one group and prompt share their trunk: give them one branch step and span")
     device = x.device
     trunk, trunk_k = x[unique.to(device)], ks[unique]  # one row per (group, prompt) until its branch point
     latents = x.clone()  # each image's own latents from its branch point on
@@ -154,7 +169,11 @@ def branch_rollout(
         if len(branching):  # fan out: each image of the group starts its branch from the trunk
             latents[branching.to(device)] = trunk[fan_out[branching].to(device)]
         on_trunk = torch.nonzero(trunk_k > i).flatten()  # groups before their branch point
-        off_trunk = torch.nonzero(ks <= i).flatten()  # images at or after theirs
+        off_trunk = torch.nonzero((ks == i) | (ends <= i)).flatten()  # images at theirs, or past their merged step
+        if not len(on_trunk) and not len(off_trunk):  # every image inside its merged step: one forward anyway
+            inside = torch.nonzero(ks < i).flatten()[:1]  # (FSDP's forwards are collectives), discarded
+            _velocity_fn(adapter, embeds.select(inside), sampler, gs)(latents[inside.to(device)], t)
+            continue
         inputs = torch.cat([trunk[on_trunk.to(device)], latents[off_trunk.to(device)]])
         rows_embeds = embeds.select(torch.cat([unique[on_trunk], off_trunk]))
         v = _velocity_fn(adapter, rows_embeds, sampler, gs)(inputs, t)
@@ -165,12 +184,14 @@ def branch_rollout(
         if bool(at.any()):
             rows_at = off_trunk[at].to(device)
             x_at = inputs[split:][at.to(device)]
-            step = sde_step(
+            span = spans[off_trunk[at]]
+            step = merged_sde_step(
                 sampler.kind,
                 v[split:][at.to(device)],
                 x_at,
-                t,
-                t_next,
+                sigmas,
+                i,
+                int(span[0]) if bool((span == span[0]).all()) else span,  # one span: t_{i+m} a 0-d tensor as t
                 t_second=t_second,
                 velocity_fn=_velocity_fn(adapter, embeds.select(off_trunk[at]), sampler, gs),
                 generator=generator,
@@ -196,7 +217,7 @@ def branch_rollout(
         log_probs=column(log_probs),
         stds=column(stds),
         sigmas=column(sigmas[ks]),
-        sigmas_next=column(sigmas[ks + 1]),
+        sigmas_next=column(sigmas[ends]),
         step_indices=column(ks),
         t_second=t_second,
         guidance_scale=gs,
@@ -208,10 +229,12 @@ def branch_rollout(
     )
 
 
-def check_branch(config: Config) -> None:
-    """Refuse settings the branch rollout cannot use, naming the key and the fix (before anything is loaded)."""
+def check_branch(config: Config, rollout: str = "branch") -> None:
+    """Refuse settings the branch rollout cannot use, naming the key and the fix (before anything is loaded).
+    ``rollout``: the strategy named in the messages (:mod:`.merged` shares these checks)."""
     s = config.sampler
     b = s.branch
+    points = "sampler.branch.steps, sampler.branch.schedule" if rollout == "branch" else f"sampler.{rollout}.*"
     one_of("sampler.branch.schedule", b.schedule, SCHEDULES)
     last = s.num_steps - 2
     if b.steps is not None:
@@ -226,14 +249,14 @@ def check_branch(config: Config) -> None:
     objective = get_objective(config.grpo.objective)
     if objective.rollout != "sde_window":
         raise ConfigError(
-            f"sampler.rollout=branch stores each image's branch step for an objective that re-scores it, but grpo."
+            f"sampler.rollout={rollout} stores each image's branch step for an objective that re-scores it, but grpo."
             f"objective={config.grpo.objective} trains the final samples of ODE rollouts; use sampler.rollout: chain, "
             "or grpo.objective: tempflow (or clipped)"
         )
     if not s.same_initial_noise:
         raise ConfigError(
-            "sampler.rollout=branch needs sampler.same_initial_noise: true: a group's images share one ODE trunk from "
-            "one initial noise and differ only by the branch step's noise (the paper's seed group)"
+            f"sampler.rollout={rollout} needs sampler.same_initial_noise: true: a group's images share one ODE trunk "
+            "from one initial noise and differ only by the branch step's noise (the paper's seed group)"
         )
     if s.noise_level <= 0:
         raise ConfigError(
@@ -243,12 +266,12 @@ def check_branch(config: Config) -> None:
     if s.last_step != "ode":
         raise ConfigError(
             "sampler.last_step=sde adds noise after the branch point, so a group's rewards would no longer be due to "
-            "its branch step alone; set sampler.last_step: ode with sampler.rollout: branch"
+            f"its branch step alone; set sampler.last_step: ode with sampler.rollout: {rollout}"
         )
     if s.window != type(s.window)():  # every field at its default
         raise ConfigError(
             "sampler.window.* places the chain rollout's SDE window; the branch rollout's one SDE step is each group's "
-            "branch point (sampler.branch.steps, sampler.branch.schedule): remove sampler.window"
+            f"branch point ({points}): remove sampler.window"
         )
     if s.post_window != type(s.post_window)():
         raise ConfigError(
@@ -259,7 +282,7 @@ def check_branch(config: Config) -> None:
         raise ConfigError(
             "sampler.score_eval=reeval evaluates the network a second time on the images branching at a step, a "
             "number of forwards that differs between processes (it would hang FSDP / DeepSpeed ZeRO-3); set "
-            "sampler.score_eval: frozen with sampler.rollout: branch"
+            f"sampler.score_eval: frozen with sampler.rollout: {rollout}"
         )
 
 
@@ -276,11 +299,22 @@ class Branch(RolloutStrategy):
         cfg = context.config
         self.steps = branch_step_list(cfg.sampler.branch.steps, cfg.sampler.num_steps)
 
+    def plan(self, group_ids: list[int]) -> tuple[list[int], list[int] | None]:
+        """Each group id's branch point, and the span of its SDE step (None: every span 1; :mod:`.merged`)."""
+        cfg = self.context.config
+        return branch_points(group_ids, self.steps, cfg.sampler.branch.schedule, seed=cfg.run.seed), None
+
+    def metrics(self, points: list[int], spans: list[int] | None) -> dict[str, float]:
+        ks = torch.tensor(points, dtype=torch.float64)
+        metrics = {"branch/step_mean": ks.mean().item(), "branch/step_min": ks.min().item()}
+        metrics["branch/step_max"] = ks.max().item()
+        return metrics
+
     def collect(self, epoch: int) -> Collected | None:
         ctx, cfg = self.context, self.context.config
         slots = ctx.epoch_slots(epoch)
         slots = sorted(slots, key=lambda s: s.group_id)  # a group's images side by side: one trunk per batch
-        points = branch_points([s.group_id for s in slots], self.steps, cfg.sampler.branch.schedule, seed=cfg.run.seed)
+        points, spans = self.plan([s.group_id for s in slots])
         size = cfg.sampler.batch_size
         parts: list[Trajectory] = []
         starts = range(0, len(slots), size)
@@ -301,13 +335,11 @@ class Branch(RolloutStrategy):
                 metadata=metadata,
                 noise_seed=cfg.run.seed,
                 sources=ctx.data.sources_of([s.prompt_index for s in batch]),
+                spans=None if spans is None else spans[start : start + size],
             )
             ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
             trajectory.images = trajectory.images.cpu()  # kept for image grids only
             parts.append(trajectory)
             if ctx.should_stop():  # every process has the same number of batches (validated)
                 return None
-        ks = torch.tensor(points, dtype=torch.float64)
-        metrics = {"branch/step_mean": ks.mean().item(), "branch/step_min": ks.min().item()}
-        metrics["branch/step_max"] = ks.max().item()
-        return Collected(Trajectory.cat(parts), metrics)
+        return Collected(Trajectory.cat(parts), self.metrics(points, spans))
