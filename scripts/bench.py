@@ -4,7 +4,8 @@
     python scripts/bench.py all                               # every benchmark at CPU sizes -> docs/benchmarks.md
 
 names: rollout, rewards, train-step, window, epoch, memory, scaling, gpu (the real-size GPU figures of
-scripts/gpu_bench.sh), all. ``python scripts/bench.py <name> --help`` says what each measures and how.
+scripts/gpu_bench.sh), tree (BranchGRPO's tree rollout against G chains), all. ``python scripts/bench.py <name>
+--help`` says what each measures and how.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ BENCHMARKS = {
     "memory": "flowgrpo.benchmarks.memory",
     "scaling": "flowgrpo.benchmarks.scaling",
     "gpu": "flowgrpo.benchmarks.gpu",
+    "tree": "flowgrpo.benchmarks.tree",
     "all": "flowgrpo.benchmarks.report",
 }
 

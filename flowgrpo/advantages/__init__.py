@@ -2,10 +2,10 @@
 
 Built in (:mod:`.group`): ``group`` (group mean and std), ``global_std`` (Flow-GRPO), ``per_reward`` (MixGRPO);
 per window step from the stage rewards of ``sampler.rollout: dense``: ``turning_point`` (:mod:`.tp`, TP-GRPO) and
-``vgpo`` (:mod:`.vgpo`, VGPO).
+``vgpo`` (:mod:`.vgpo`, VGPO); per tree edge from ``sampler.rollout: tree``: ``tree`` (:mod:`.tree`, BranchGRPO).
 """
 
-from . import tp, vgpo  # noqa: F401  (register the per-step estimators)
+from . import tp, tree, vgpo  # noqa: F401  (register the per-step estimators)
 from .base import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
