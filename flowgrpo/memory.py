@@ -25,6 +25,9 @@ the buffers are
                                                    under ``branch`` / ``entropy_merge``: trunks, branched images,
                                                    before/after a step)
         decoded batch       B · P · 4              the VAE's float32 images of one rollout batch
+        stage predictions   (S + 1) · B · L · b    ``sampler.rollout: dense`` with ``sampler.dense.value: x0``: the
+                                                   one-step predictions of one rollout batch's stages, kept until
+                                                   the batch is sampled
     host (RAM)
         initial noise       B · L · 4              drawn on the CPU (the trainer's generator), then moved
         sampled images      N · P · 4              the epoch's images, kept as float32 for the sample grids
@@ -127,12 +130,16 @@ def estimate(
     steps = stored_steps(config, stores_transitions)
     batch = min(config.sampler.batch_size, n) if n else config.sampler.batch_size
     latent, b = shape.latent_elements, shape.latent_bytes
+    device = {
+        "stored trajectory": n * (2 * steps + 1) * latent * b,
+        "rollout batch": (5 if config.sampler.rollout in (*BRANCHED, "tree") else 3) * batch * latent * b,
+        "decoded batch": batch * shape.pixels * FLOAT32,
+    }
+    dense = getattr(config.sampler, "dense", None)  # sampler.rollout: dense's section
+    if config.sampler.rollout == "dense" and dense is not None and dense.value == "x0" and steps:
+        device["stage predictions"] = (steps + 1) * batch * latent * b
     return MemoryEstimate(
-        device={
-            "stored trajectory": n * (2 * steps + 1) * latent * b,
-            "rollout batch": (5 if config.sampler.rollout in (*BRANCHED, "tree") else 3) * batch * latent * b,
-            "decoded batch": batch * shape.pixels * FLOAT32,
-        },
+        device=device,
         host={
             "initial noise": batch * latent * FLOAT32,
             "sampled images": n * shape.pixels * FLOAT32,
