@@ -523,3 +523,15 @@ def test_the_tree_benchmark_counts_rows_against_the_arithmetic(tmp_path, capsys)
     assert rows["tree"]["arithmetic"] == 17 / 24 and rows["tree"]["forwards"] == rows["chains"]["forwards"] == 6
     assert rows["tree"]["train_terms_per_image"] == 4 and rows["chains"]["train_terms_per_image"] == 5
     assert "| tree |" in capsys.readouterr().out
+
+
+def test_the_presets_build_the_trees_their_comments_describe():
+    from flowgrpo.rollouts.tree import stored_slots, tree_shape
+
+    shapes = load_config("configs/shapes_branchgrpo.yaml")
+    assert tree_shape(shapes) == TreeShape(10, (0, 2, 4), 2) and stored_slots(shapes) == 7
+    assert tree_shape(shapes).forward_rows() == 53 and tree_shape(shapes).edges(range(9)) == 52
+    for name in ("sd35m", "flux"):
+        config = load_config(f"configs/{name}_branchgrpo.yaml")
+        assert tree_shape(config) == TreeShape(20, (0, 3, 6, 9), 2) and stored_slots(config) == 13
+        assert tree_shape(config).forward_rows() == 203 and config.sampler.tree.split_noise_scale == 4.0
