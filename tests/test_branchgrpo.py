@@ -419,6 +419,28 @@ def test_mix_steps_outside_the_window_are_the_ode(adapter):
             assert torch.equal(evaluate_transitions(adapter, traj, j, _sampler()).log_prob, traj.log_probs[:, j])
 
 
+@pytest.mark.parametrize("kind", ["wan", "flux-kontext"])
+def test_video_and_editing_models_grow_trees_too(kind):
+    """Nothing in the tree is image- or text-only: a Wan clip and a FLUX.1-Kontext edit (source images in the
+    embeddings) re-score exactly, and with noise 0 every leaf is the ODE chain."""
+    from PIL import Image
+
+    other = make_adapter(build_tiny_pipeline(kind, seed=0))
+    shape, sde = TreeShape(4, (0, 1), 2), [0, 1, 2]
+    sources = {"sources": [Image.new("RGB", (SIZE, SIZE), (200, 30, 30))] * 4} if kind == "flux-kontext" else {}
+    sampler = _sampler(num_steps=4, guidance_scale=4.0)
+    args = (other, ["a red cube"] * 4, [1] * 4, [0, 1, 2, 3])
+    traj = tree_rollout(*args, sampler, shape, sde=sde, stored=sde, height=SIZE, width=SIZE, **sources)
+    assert (traj.source_images is not None) == (kind == "flux-kontext") and traj.num_trained_steps == 3
+    with torch.no_grad():
+        for j in range(traj.num_trained_steps):
+            assert torch.equal(evaluate_transitions(other, traj, j, sampler).log_prob, traj.log_probs[:, j])
+    still = _sampler(num_steps=4, guidance_scale=4.0, noise_level=0.0)
+    flat = tree_rollout(*args, still, shape, sde=sde, stored=sde, height=SIZE, width=SIZE, **sources)
+    ode = rollout(*args[:3], still, range(0, 0), height=SIZE, width=SIZE, **sources)
+    torch.testing.assert_close(flat.final_latents, ode.final_latents, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ settings, the strategy, a training epoch
 
 
