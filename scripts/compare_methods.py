@@ -51,7 +51,12 @@ class Run:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=["shapes", "shapes_awm", "shapes_nft"])
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=["shapes", "shapes_awm", "shapes_nft"],
+        help="configs/<name>.yaml or paths; name@1,2 gives that preset its own budgets instead of --budgets",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=3.5, help="the budget unit: the main job's time")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="run.budget_clock of every run")
@@ -62,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/methods.md")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every preset")
     args = parser.parse_args(argv)
+    budgets_of = preset_budgets(args.presets, args.budgets)
+    args.presets = list(budgets_of)
+    args.budgets = sorted({b for bs in budgets_of.values() for b in bs})
 
     from flowgrpo.config import ConfigError, load_config
 
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         Run(p, b, s, work / f"{_stem(p)}-{args.minutes * b:g}min-{args.clock}" / f"seed{s}")
         for b in args.budgets
         for p in args.presets
+        if b in budgets_of[p]
         for s in args.seeds
     ]
     todo = [r for r in runs if _final_checkpoint(r.folder) is None]
@@ -130,6 +139,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------- running
+def preset_budgets(items: list[str], budgets: list[float]) -> dict[str, list[float]]:
+    """``{preset: its budgets}`` from ``--presets`` items: ``name`` takes ``budgets``, ``name@1,2`` its own."""
+    out = {}
+    for item in items:
+        preset, _, own = item.partition("@")
+        out[preset] = [float(b) for b in own.split(",")] if own else list(budgets)
+    return out
+
+
 CLOCKS = {"cpu": "time/cpu", "wall": "time/elapsed"}  # --clock -> the metric the budget is measured on
 
 
@@ -304,7 +322,7 @@ def write_table(
     lines += ["", "Against the first preset at the same budget (difference of mean colour+count gains):", ""]
     first = args.presets[0]
     for (preset, budget), cc in gains.items():
-        if preset == first:
+        if preset == first or (first, budget) not in gains:
             continue
         d, error, noise = within_noise(cc, gains[first, budget])
         verdict = "within noise" if noise else ("better" if d > 0 else "worse")

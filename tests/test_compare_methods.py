@@ -61,3 +61,11 @@ def test_curves_are_trailing_means_interpolated_inside_each_runs_span(tmp_path):
     runs = [_run("shapes", 0, 0.45, 0.32, 3, tmp_path), _run("shapes", 1, 0.53, 0.36, 2, tmp_path)]
     cm.write_curves(runs, tmp_path / "curves.png", minutes=2.0)
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_preset_may_name_its_own_budgets():
+    assert cm.preset_budgets(["shapes@1,2", "shapes_nft", "x.yaml@2"], [1.0]) == {
+        "shapes": [1.0, 2.0],
+        "shapes_nft": [1.0],
+        "x.yaml": [2.0],
+    }
