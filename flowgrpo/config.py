@@ -144,7 +144,9 @@ class SamplerConfig:
     """
 
     rollout: str = "chain"  # how an epoch's samples are produced (flowgrpo.rollouts): chain = one chain per image |
-    #                         branch = a group's ODE trunk branched by one SDE step (TempFlow-GRPO, sampler.branch)
+    #                         branch = a group's ODE trunk branched by one SDE step (TempFlow-GRPO, sampler.branch) |
+    #                         iso_temporal (Flash-GRPO) | tree (BranchGRPO, sampler.tree) | entropy_merge (E-GRPO,
+    #                         sampler.entropy_merge) | dense (TP-GRPO, VGPO: sampler.dense) | any registered one
     kind: str = "euler_maruyama"
     diffusion: str = "flowgrpo"
     score_eval: str = "frozen"

@@ -1,6 +1,7 @@
 """Rollout strategies: how an epoch's samples are produced, one registered class each (``sampler.rollout``).
 
-Built in: ``chain`` (:mod:`.chain`); ``iso_temporal`` (:mod:`.iso`, Flash-GRPO's iso-temporal grouping); ``dense``
+Built in: ``chain`` (:mod:`.chain`); ``branch`` (:mod:`.branch`, TempFlow-GRPO's trajectory branching);
+``iso_temporal`` (:mod:`.iso`, Flash-GRPO's iso-temporal grouping); ``dense``
 (:mod:`.dense`, the chain plus a reward for every stage of the window: TP-GRPO, VGPO); ``entropy_merge``
 (:mod:`.merged`, E-GRPO's merged SDE step on a branch rollout); ``tree`` (:mod:`.tree`, BranchGRPO). Add one
 with :func:`register_rollout` on a :class:`RolloutStrategy` subclass (see :mod:`.base`). The per-batch sampler

@@ -9,9 +9,10 @@ A rollout strategy is a class registered by name::
 ``collect`` samples this process's share of the epoch, hands every batch of images to ``context.submit`` as soon as
 it exists (rewards are scored in the background while the next batch samples) and returns the epoch's
 :class:`~flowgrpo.rollout.Trajectory` with metrics about how it was produced; or None when ``context.should_stop()``
-said so between batches (every process must see the same number of batches). Today's strategy is ``chain``
-(:mod:`.chain`): one SDE/ODE chain per image, with the sampler's window and the shared prefix. Tree or branch
-rollouts and offline sources of stored samples plug in here.
+said so between batches (every process must see the same number of batches). The built-in strategies are listed
+in :mod:`flowgrpo.rollouts`; offline sources of stored samples would plug in here too. A strategy with settings sets
+``config_class`` (its section ``sampler.<name>.*``); what its estimator needs beyond the rewards travels in
+``Trajectory.extras``.
 """
 
 from __future__ import annotations
