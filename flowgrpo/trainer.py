@@ -465,9 +465,11 @@ class GRPOTrainer:
 
     def _summarize(self, sums: dict[str, list[float]]) -> dict[str, float]:
         out = {f"train/{k}": sum(v) / len(v) for k, v in sums.items() if v}
-        for k, pick in (("ratio_min", min), ("ratio_max", max), ("onpolicy_ratio_dev", max)):
-            if sums.get(k):
-                out[f"train/{k}"] = pick(sums[k])
+        # extremes, as the objectives' metric convention says (keys ending in _min / _max), and the on-policy check
+        for k, values in sums.items():
+            pick = min if k.endswith("_min") else max if k.endswith(("_max", "_dev")) else None
+            if values and pick is not None:
+                out[f"train/{k}"] = pick(values)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 

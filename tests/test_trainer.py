@@ -228,3 +228,27 @@ def test_a_data_error_during_training_ends_the_cli_with_one_paragraph(tmp_path, 
     code = script.main(["--config", str(TINY), f"run.output_dir={tmp_path}", "run.progress=false"])
     err = capsys.readouterr().err
     assert code == 1 and "error: data.train: rows.jsonl:2: the source image" in err and "Traceback" not in err
+
+
+def test_epoch_metrics_ending_in_min_or_max_are_extremes_not_means():
+    """The objectives' convention (objectives/base.py): ``*_min`` / ``*_max`` reduce by min / max over the epoch's
+    terms (tempflow's noise_weight_min/max were averaged before), the rest by the mean."""
+    from types import SimpleNamespace
+
+    from flowgrpo.trainer import GRPOTrainer
+
+    fake = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 0.5}]))
+    sums = {
+        "loss": [1.0, 3.0],
+        "noise_weight_min": [0.2, 0.1],
+        "noise_weight_max": [2.0, 4.0],
+        "onpolicy_ratio_dev": [0.0, 1e-7],
+    }
+    out = GRPOTrainer._summarize(fake, sums)
+    assert out == {
+        "train/loss": 2.0,
+        "train/noise_weight_min": 0.1,
+        "train/noise_weight_max": 4.0,
+        "train/onpolicy_ratio_dev": 1e-7,
+        "train/lr": 0.5,
+    }
