@@ -14,7 +14,7 @@ Per process, with
         re-scores the window's SDE transitions (clipped); 1 under ``sampler.rollout: branch`` or ``entropy_merge``
         (each image keeps its branch step); 0 for one that trains on the final samples (awm, nft);
         W under ``sampler.rollout: tree``: each edge of a group's tree stored once, dealt over its
-        leaves (rollouts/tree.py ``stored_slots``, the first epoch's)
+        leaves (rollouts/tree.py ``stored_slots``, the most of any epoch)
     B = sampler.batch_size, b = bytes per latent element (model.dtype; the rollout noise is drawn as float32)
 
 the buffers are

@@ -557,3 +557,20 @@ def test_the_presets_build_the_trees_their_comments_describe():
         config = load_config(f"configs/{name}_branchgrpo.yaml")
         assert tree_shape(config) == TreeShape(20, (0, 3, 6, 9), 2) and stored_slots(config) == 13
         assert tree_shape(config).forward_rows() == 203 and config.sampler.tree.split_noise_scale == 4.0
+
+
+def test_the_memory_estimate_counts_the_most_slots_any_epoch_stores():
+    """Sliding depth pruning moves the pruned steps earlier, onto steps with fewer edges, so W grows during the run:
+    the paper's tree pruned at 15..18 stores 138 edges in 9 slots at first, 146 in 10 once the pruning reached
+    8..11. memory.py's check before the run must count the 10."""
+    from flowgrpo.memory import stored_steps
+    from flowgrpo.rollouts.tree import stored_slots
+
+    config = load_config(
+        "configs/flux_branchgrpo.yaml",
+        ["sampler.tree.prune_steps=[15, 16, 17, 18]", "sampler.tree.prune_slide_interval=30", "run.epochs=300"],
+    )
+    assert stored_slots(config, 0) == 9 and stored_slots(config, 299) == 10
+    assert stored_slots(config) == 10 and stored_steps(config, True) == 10
+    config.run.epochs = 100  # the pruning reaches 12..15 at most: still 9
+    assert stored_slots(config) == 9

@@ -508,9 +508,14 @@ def stored_steps_at(config: Config, epoch: int) -> tuple[list[int], list[int]]:
     return sde, [d for d in sde if d not in pruned]
 
 
-def stored_slots(config: Config, epoch: int = 0) -> int:
-    """W at ``epoch`` (memory.py's estimate takes the first epoch's)."""
-    return slots_per_leaf(tree_shape(config), stored_steps_at(config, epoch)[1])
+def stored_slots(config: Config, epoch: int | None = None) -> int:
+    """W at ``epoch``; None: the most over the run's epochs ``0..run.epochs-1`` (memory.py's estimate), since W
+    changes while the depth pruning slides (onto steps with fewer edges: W grows) or the Mix window moves."""
+    shape = tree_shape(config)
+    if epoch is not None:
+        return slots_per_leaf(shape, stored_steps_at(config, epoch)[1])
+    stored = {tuple(stored_steps_at(config, e)[1]) for e in range(max(1, config.run.epochs))}
+    return max(slots_per_leaf(shape, steps) for steps in stored)
 
 
 @register_rollout("tree")
