@@ -23,8 +23,9 @@ differential entropy ``D · h``, ``h = ½ log(2π e std²) = log std + ½ log(2�
 schedule only (not on ``x`` or the network), so the steps to merge can be chosen before sampling:
 :func:`entropy_merge_plan` tiles the schedule from step 0 with merged steps, each the shortest whose ``h`` reaches a
 threshold ``τ``. On the reference's FLUX schedule (16 steps, static shift 3, ``a = 0.7``), any ``τ`` in
-(0.807, 1.037] nats gives its launch script's plan, steps 0, 1, 2, 4 merging 1, 1, 2, 3 steps
-(``scripts/finetune/finetune_g2rpo_hps_merge.sh``: ``--eta_step_list 0 1 2 4 --eta_step_merge_list 1 1 2 3``).
+(0.807, 1.037] nats with ``max_end = 8`` gives its launch script's plan, steps 0, 1, 2, 4 merging 1, 1, 2, 3 steps
+(``scripts/finetune/finetune_g2rpo_hps_merge.sh``: ``--eta_step_list 0 1 2 4 --eta_step_merge_list 1 1 2 3``); with
+the default ``max_end`` (step 15) the tiling goes on past step 7 (``τ = 1.0``: a fifth merged step, 7..11).
 The paper's own threshold (reported as τ ≈ 2.2 by a third-party summary) is on a scale its text defines; that text
 was not available here, so this module's ``τ`` is the per-element Gaussian entropy above, stated as such.
 """

@@ -196,6 +196,8 @@ def test_the_reference_plan_is_a_threshold_plan_on_its_flux_schedule():
         assert entropy_merge_plan(sigmas, tau, noise_level=0.7, max_end=8) == reference, tau
     assert entropy_merge_plan(sigmas, 0.80, noise_level=0.7, max_end=8) != reference
     assert entropy_merge_plan(sigmas, 1.04, noise_level=0.7, max_end=8) != reference
+    # without max_end the tiling goes on past step 7: the reference's four merged steps, then steps 7..11 merged
+    assert entropy_merge_plan(sigmas, 1.0, noise_level=0.7) == [*reference, (7, 5)]
 
 
 # ---------------------------------------------------------------------------------------------- the rollout
