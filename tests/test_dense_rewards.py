@@ -236,6 +236,9 @@ def test_turning_points_of_a_hand_computed_increment_sequence():
         [-1.0, -1.75, -1.0, -1.0, -1.5],
         [1.5, 1.0, 1.25, 1.0, 1.0],
     ]
+    # consistent applies to the first step too: d_0 = 2 moves with Δ = 1.5 but the rest of the trajectory falls
+    overshoot = torch.tensor([[0.0, 2.0, 1.5]], dtype=torch.float64)
+    assert turning_points(overshoot)[0, 0] and not turning_points(overshoot, consistent=True)[0, 0]
     flat = torch.tensor([[0.5, 0.75, 0.25, 0.5]], dtype=torch.float64)  # Δ = 0: no trend, no turning point
     assert not turning_points(flat).any() and torch.equal(turning_point_rewards(flat), increments(flat))
 

@@ -14,7 +14,7 @@ For one sample (all pure functions below)::
     turning point, j ≥ 1:  s_{j-1} < 0 and s_j > 0    the local trend flips back to the trajectory's
     turning point, j = 0:  s_0 > 0                    (first_step) the first step sets the trend of what follows
     consistent: a turning point also needs sign(d_j) = sign(V_W - V_{j+1}): the rest of the trajectory keeps step
-                j's direction (never true at the last step, where V_W - V_W = 0)
+                j's direction (never true at the last step, where V_W - V_W = 0), the first step included
 
     form: paper       r_j = agg_j at a turning point, d_j elsewhere
     form: reference   r_j = Δ + 1[turning point] · d_j
@@ -30,7 +30,10 @@ and takes no part in the statistics; so does a group left with fewer than 2 such
 ``config/my_grpo.py:pickscore_sd3_fast_op3``): ``d_t = R_t - R_{t-1}`` over ``[R_ode, R_1, .., R_n]`` (R_ode the
 pure ODE, R_i the ODE completion after i SDE steps, R_n the final image), ``s_t = sign(d_t)·sign(Δ_global)``,
 indicator ``(s_{t-1} < 0)·(s_t > 0)``, ``indicator_0 = s_0 > 0`` (``apply_first_step_bonus``), the consistency
-check of ``select_inter_step_only_from_consistent_trajectory`` (``sign(d_t)·sign(R_sde - R_{t+1}) > 0``); per
+check ``sign(d_t)·sign(R_sde - R_{t+1}) > 0`` (``consistent`` applies it at every step: the reference's
+``select_inter_step_only_from_consistent_trajectory`` for t ≥ 1 together with
+``select_first_step_only_from_consistent_trajectory`` at t = 0, which replaces ``s_0 > 0`` there but implies it;
+the inter-step flag alone is not offered); per
 timestep, per prompt ``PerPromptStatTracker`` (``np.std`` + 1e-4), ``adv_clip_max = 5``. Its released op3 configs
 set ``take_delta_global_as_main = True``: ``R_t = Δ_global + η·indicator_t·d_t`` (η = 1): the trajectory's
 outcome gain on every step, the step's own increment added at turning points. That is ``form: reference``. The
@@ -65,7 +68,8 @@ class TurningPointSettings:
 
     form: str = "paper"  # paper: agg_j replaces d_j at turning points | reference: Δ + 1[turning point]·d_j
     first_step: bool = True  # the first step is a turning point when it moves with the overall trend (reference: on)
-    consistent: bool = False  # turning points also need the rest of the trajectory to keep their direction
+    consistent: bool = False  # turning points (the first step's too) also need the rest of the trajectory to keep
+    #                           their direction (the reference's two select_*_from_consistent_trajectory flags)
     std: str = "group"  # group: per prompt group and step (the reference's trackers) | global: per step, all samples
 
 
