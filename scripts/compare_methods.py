@@ -365,7 +365,8 @@ def write_curves(runs: list[Run], path: Path, minutes: float, clock: str = "time
             longest[key] = run
     end = max((row[clock] / 60 for run in longest.values() for row in run.rows), default=minutes)
     grid = np.linspace(0, end, 200)
-    for preset in dict.fromkeys(run.preset for run in runs):
+    palette = plt.get_cmap("tab20").colors  # 20 distinct colours: more presets than tab10's ten
+    for index, preset in enumerate(dict.fromkeys(run.preset for run in runs)):
         curves = np.array(
             [smoothed_curve(r.rows, grid.tolist(), clock=clock) for (p, _), r in longest.items() if p == preset]
         )
@@ -373,7 +374,9 @@ def write_curves(runs: list[Run], path: Path, minutes: float, clock: str = "time
             continue
         seen = ~np.isnan(curves).all(axis=0)
         mean = np.nanmean(np.where(seen, curves, 0.0), axis=0)
-        (line,) = ax.plot(grid[seen], mean[seen], lw=1.8, label=f"{_stem(preset)} ({len(curves)} seeds)")
+        (line,) = ax.plot(
+            grid[seen], mean[seen], lw=1.8, color=palette[index % 20], label=f"{_stem(preset)} ({len(curves)} seeds)"
+        )
         low, high = np.nanmin(curves[:, seen], axis=0), np.nanmax(curves[:, seen], axis=0)
         ax.fill_between(grid[seen], low, high, color=line.get_color(), alpha=0.15, lw=0)
     for budget in sorted({r.budget for r in runs}):

@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_short_grpo_runs_on_the_shipped_model_raise_the_held_out_reward(tmp_path):
     # The main job's recipe, shortened: 8 epochs of 8 groups on 48 train prompts (8 per tag), evaluated on 96
     # held-out lines (16 per tag) before and after. Measured on the shipped model (one thread, seeds 0-3): the
-    # held-out reward rose by +0.018, +0.030, +0.027 and +0.012, so the mean of seeds 0 and 1 must exceed 0.005.
+    # held-out reward rose by +0.018, +0.030, +0.027 and +0.012: every seed clears 0.005, so one seed (1) runs here (two
+    # cost 80 s of the suite's 10-minute budget).
     # Without learning it would be exactly 0 (the evaluation noise is fixed), and a wrong-signed update lowers it.
     train, test = split()
     write_prompt_file(tmp_path / "train.jsonl", round_robin(balanced_prompts(train, 8, 0)))
     write_prompt_file(tmp_path / "test.jsonl", round_robin(balanced_prompts(test, 16, 1)))
     epochs, gains = 8, []
-    for seed in (0, 1):
+    for seed in (1,):
         config = load_config(
             ROOT / "configs" / "shapes.yaml",
             [
