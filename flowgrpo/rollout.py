@@ -37,6 +37,7 @@ VelocityFn = Callable[[Tensor, Tensor], Tensor]  # v(x, sigma)
 StepFn = Callable[[Tensor, Tensor, Tensor, Tensor], Transition]  # (v, x, t, t_next): sde_step with its options bound
 # (i, x_i, t_i, v(x_i, t_i)): a window or post-window step of the plan's schedule, seen before it is taken (read-only)
 StepObserver = Callable[[int, Tensor, Tensor, Tensor], None]
+StepVelocity = Callable[[Tensor, int], tuple[Tensor, Tensor, Tensor]]  # (x, i) -> (t_i, t_{i+1}, v(x, t_i))
 
 
 @dataclass
@@ -279,8 +280,9 @@ def rollout(
     prefix_velocity = velocity_fn if rows is None else _velocity_fn(adapter, embeds.select(rows[0]), sampler, gs)
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
-        x, history, stored = _window(plan, velocity_fn, sde, x, history, bar, observe)  # SDE, stored
-        x = _tail(plan, velocity_fn, sde, x, history, bar, observe)  # the post-window solver; the final SDE step
+        at = _observed(plan, velocity_fn, observe)
+        x, history, stored = _window(plan, at, sde, x, history, bar)  # SDE, stored
+        x = _tail(plan, at, sde, x, history, bar)  # the post-window solver; the final SDE step
 
     before, after, log_probs, stds = stored
     window_idx = list(plan.window)
@@ -370,23 +372,27 @@ def _prefix(
     return x, history
 
 
+def _observed(plan: RolloutPlan, velocity_fn: VelocityFn, observe: StepObserver | None) -> StepVelocity:
+    """``at(x, i)``: step ``i``'s ``(t_i, t_{i+1}, v(x, t_i))``, shown to ``observe`` (when given) before the step."""
+
+    def at(x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
+        v = velocity_fn(x, t)
+        if observe is not None:
+            observe(i, x, t, v)
+        return t, t_next, v
+
+    return at
+
+
 def _window(
-    plan: RolloutPlan,
-    velocity_fn: VelocityFn,
-    sde: StepFn,
-    x: Tensor,
-    history: SolverHistory,
-    bar: tqdm,
-    observe: StepObserver | None = None,
+    plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm
 ) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
     """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
     stds)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``)."""
     before, after, log_probs, stds = [], [], [], []
     for i in plan.window:
-        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if observe is not None:
-            observe(i, x, t, v)
+        t, t_next, v = at(x, i)
         history = _record(plan, x, t, v, history)
         step = sde(v, x, t, t_next)
         before.append(x)
@@ -399,31 +405,16 @@ def _window(
     return x, history, (before, after, log_probs, stds)
 
 
-def _tail(
-    plan: RolloutPlan,
-    velocity_fn: VelocityFn,
-    sde: StepFn,
-    x: Tensor,
-    history: SolverHistory,
-    bar: tqdm,
-    observe: StepObserver | None = None,
-) -> Tensor:
+def _tail(plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm) -> Tensor:
     """The steps after the window: the post-window solver's (from the carried history, if any); then, with
     ``last_step_sde``, the final step with the SDE, as Flow-GRPO samples it (never trained: nothing is stored)."""
     solver = get_solver(plan.tail_solver)
     for i in plan.tail:
-        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if observe is not None:
-            observe(i, x, t, v)
+        t, t_next, v = at(x, i)
         x, history = solver(v, x, t, t_next, history)
         bar.update()
     if plan.last_step_sde:
-        i = plan.num_steps - 1
-        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if observe is not None:
-            observe(i, x, t, v)
+        t, t_next, v = at(x, plan.num_steps - 1)
         x = sde(v, x, t, t_next).sample
         bar.update()
     return x
