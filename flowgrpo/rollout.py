@@ -269,10 +269,9 @@ def rollout(
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width, time_shift=sampler.time_shift)
     plan = plan_rollout(sampler, window, sigmas)
     gs = sampler.guidance_scale
-    embeds = adapter.encode_conditions(
-        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    embeds, x = _embeds_and_noise(
+        adapter, sampler, prompts, group_ids, initial_latents, generator, height, width, noise_seed, sources
     )
-    x = _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
     velocity_fn = _velocity_fn(adapter, embeds, sampler, gs)
     sde_options = {"t_second": plan.t_second, "velocity_fn": velocity_fn, "generator": generator}
     sde = functools.partial(sde_step, sampler.kind, reduce=log_prob_reduce, **sde_options, **_step_kwargs(sampler))
@@ -303,12 +302,46 @@ def rollout(
         step_indices=per_sample(torch.tensor(window_idx, dtype=torch.long)),
         t_second=plan.t_second,
         guidance_scale=gs,
-        height=height,
-        width=width,
-        final_latents=x,
-        images=adapter.decode(x, height, width) if decode else None,
-        metadata=list(metadata) if metadata is not None else [],
+        **_final_fields(adapter, x, height, width, decode, metadata),
     )
+
+
+def _embeds_and_noise(
+    adapter: PipelineAdapter,
+    sampler: SamplerConfig,
+    prompts: list[str],
+    group_ids: Tensor,
+    initial_latents: Tensor | None,
+    generator: torch.Generator | None,
+    height: int,
+    width: int,
+    noise_seed: int,
+    sources: Sequence[Any] | None,
+) -> tuple[PromptEmbeds, Tensor]:
+    """A batch's conditioning (with the negative prompt's where the guidance needs it; ``sources``: editing's source
+    images), then its initial latents (:func:`_initial_latents`): the start of every rollout function."""
+    negative = adapter.needs_negative(sampler.guidance_scale)
+    embeds = adapter.encode_conditions(prompts, with_negative=negative, sources=sources, height=height, width=width)
+    return embeds, _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
+
+
+def _final_fields(
+    adapter: PipelineAdapter,
+    final_latents: Tensor,
+    height: int,
+    width: int,
+    decode: bool,
+    metadata: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The :class:`Trajectory` fields of a batch's end, the same for every rollout function: the final latents, their
+    decoded images (None unless ``decode``), the size and a copy of the metadata list."""
+    return {
+        "height": height,
+        "width": width,
+        "final_latents": final_latents,
+        "images": adapter.decode(final_latents, height, width) if decode else None,
+        "metadata": list(metadata) if metadata is not None else [],
+    }
 
 
 def _initial_latents(

@@ -60,7 +60,7 @@ from samplers.merge import merged_sde_step
 
 from ..checks import ConfigError, one_of
 from ..objectives import get_objective
-from ..rollout import Trajectory, _initial_latents, _prefix_rows, _step_kwargs, _velocity_fn
+from ..rollout import Trajectory, _embeds_and_noise, _final_fields, _prefix_rows, _step_kwargs, _velocity_fn
 from .base import Collected, RolloutStrategy, register_rollout
 
 if TYPE_CHECKING:
@@ -148,10 +148,9 @@ def branch_rollout(
         )
     get_sde_step(sampler.kind, sampler.log_prob)  # an unknown kind is refused before any network call
     gs = sampler.guidance_scale
-    embeds = adapter.encode_conditions(
-        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    embeds, x = _embeds_and_noise(
+        adapter, sampler, prompts, group_ids, initial_latents, generator, height, width, noise_seed, sources
     )
-    x = _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
     rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None) if sampler.shared_prefix else None
     unique, fan_out = rows if rows is not None else (torch.arange(n), torch.arange(n))
     if not torch.equal(ks[unique][fan_out], ks) or not torch.equal(spans[unique][fan_out], spans):
@@ -221,11 +220,7 @@ def branch_rollout(
         step_indices=column(ks),
         t_second=t_second,
         guidance_scale=gs,
-        height=height,
-        width=width,
-        final_latents=latents,
-        images=adapter.decode(latents, height, width) if decode else None,
-        metadata=list(metadata) if metadata is not None else [],
+        **_final_fields(adapter, latents, height, width, decode, metadata),
     )
 
 

@@ -88,7 +88,7 @@ from samplers import get_sde_step, ode_step, sde_step
 from ..checks import ConfigError
 from ..data import EpochSample, epoch_plan, rank_slice
 from ..objectives import get_objective
-from ..rollout import Trajectory, _initial_latents, _step_kwargs, _velocity_fn
+from ..rollout import Trajectory, _embeds_and_noise, _final_fields, _step_kwargs, _velocity_fn
 from .base import Collected, RolloutStrategy, register_rollout
 from .chain import make_window
 
@@ -282,10 +282,9 @@ def tree_rollout(
         raise ValueError(f"split {shape.splits} and stored {sorted(stored_set)} steps must be SDE steps {sorted(sde)}")
     get_sde_step(sampler.kind, sampler.log_prob)  # an unknown kind is refused before any network call
     gs = sampler.guidance_scale
-    embeds = adapter.encode_conditions(
-        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    embeds, x = _embeds_and_noise(
+        adapter, sampler, prompts, group_ids, initial_latents, None, height, width, noise_seed, sources
     )
-    x = _initial_latents(adapter, sampler, group_ids, initial_latents, None, height, width, noise_seed)
     for g, r0 in first_row.items():
         rows = (group_ids == g).nonzero().flatten()
         if not all(torch.equal(x[r], x[r0]) for r in rows.tolist()):
@@ -387,11 +386,7 @@ def tree_rollout(
         step_indices=step_indices,
         t_second=t_second,
         guidance_scale=gs,
-        height=height,
-        width=width,
-        final_latents=final,
-        images=adapter.decode(final, height, width) if decode else None,
-        metadata=list(metadata) if metadata is not None else [],
+        **_final_fields(adapter, final, height, width, decode, metadata),
         extras={
             "tree_leaf": leaves.clone(),
             "tree_node": nodes,
