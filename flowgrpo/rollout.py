@@ -306,25 +306,6 @@ def rollout(
     )
 
 
-def _embeds_and_noise(
-    adapter: PipelineAdapter,
-    sampler: SamplerConfig,
-    prompts: list[str],
-    group_ids: Tensor,
-    initial_latents: Tensor | None,
-    generator: torch.Generator | None,
-    height: int,
-    width: int,
-    noise_seed: int,
-    sources: Sequence[Any] | None,
-) -> tuple[PromptEmbeds, Tensor]:
-    """A batch's conditioning (with the negative prompt's where the guidance needs it; ``sources``: editing's source
-    images), then its initial latents (:func:`_initial_latents`): the start of every rollout function."""
-    negative = adapter.needs_negative(sampler.guidance_scale)
-    embeds = adapter.encode_conditions(prompts, with_negative=negative, sources=sources, height=height, width=width)
-    return embeds, _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
-
-
 def _final_fields(
     adapter: PipelineAdapter,
     final_latents: Tensor,
@@ -344,21 +325,26 @@ def _final_fields(
     }
 
 
-def _initial_latents(
+def _embeds_and_noise(
     adapter: PipelineAdapter,
     sampler: SamplerConfig,
+    prompts: list[str],
     group_ids: Tensor,
     initial_latents: Tensor | None,
     generator: torch.Generator | None,
     height: int,
     width: int,
     noise_seed: int,
-) -> Tensor:
-    """The caller's ``initial_latents`` (shape-checked), else noise drawn by the adapter (``same_initial_noise``: one
-    draw per group)."""
+    sources: Sequence[Any] | None,
+) -> tuple[PromptEmbeds, Tensor]:
+    """The start of every rollout function: the batch's conditioning (with the negative prompt's where the guidance
+    needs it; ``sources``: editing's source images), then its initial latents: the caller's ``initial_latents``
+    (shape-checked), else noise drawn by the adapter (``same_initial_noise``: one draw per group)."""
+    negative = adapter.needs_negative(sampler.guidance_scale)
+    embeds = adapter.encode_conditions(prompts, with_negative=negative, sources=sources, height=height, width=width)
     n = len(group_ids)
     if initial_latents is None:
-        return adapter.initial_noise(
+        noise = adapter.initial_noise(
             n,
             height,
             width,
@@ -367,10 +353,11 @@ def _initial_latents(
             same_within_group=sampler.same_initial_noise,
             noise_seed=noise_seed,
         )
+        return embeds, noise
     expected = (n, *adapter.latent_shape(height, width))
     if tuple(initial_latents.shape) != expected:
         raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
-    return initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
+    return embeds, initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
 
 
 def _record(plan: RolloutPlan, x: Tensor, t: Tensor, v: Tensor, history: SolverHistory) -> SolverHistory:
