@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from samplers import get_sde_step, ode_step
 from samplers.merge import merged_sde_step
@@ -66,6 +65,7 @@ from .base import Collected, RolloutStrategy, register_rollout
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
     from ..config import Config, SamplerConfig
+    from ..data import EpochSample
     from .base import RolloutContext
 
 SCHEDULES = ("sweep", "random")
@@ -311,12 +311,10 @@ class Branch(RolloutStrategy):
         slots = sorted(slots, key=lambda s: s.group_id)  # a group's images side by side: one trunk per batch
         points, spans = self.plan([s.group_id for s in slots])
         size = cfg.sampler.batch_size
-        parts: list[Trajectory] = []
-        starts = range(0, len(slots), size)
-        for start in tqdm(starts, desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress):
-            batch = slots[start : start + size]
-            prompts = [ctx.data.prompts[s.prompt_index] for s in batch]
-            metadata = [dict(ctx.data.metadata[s.prompt_index]) for s in batch]
+
+        def sample(index: int, batch: list[EpochSample]) -> list[Trajectory]:
+            prompts, metadata, sources = self.batch_inputs(batch)
+            start = index * size
             trajectory = branch_rollout(
                 ctx.adapter,
                 prompts,
@@ -324,17 +322,10 @@ class Branch(RolloutStrategy):
                 points[start : start + size],
                 cfg.sampler,
                 ctx.generator,
-                height=cfg.model.resolution,
-                width=cfg.model.resolution,
-                log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata,
-                noise_seed=cfg.run.seed,
-                sources=ctx.data.sources_of([s.prompt_index for s in batch]),
                 spans=None if spans is None else spans[start : start + size],
+                **self.sampling_options(metadata, sources),
             )
-            ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
-            trajectory.images = trajectory.images.cpu()  # kept for image grids only
-            parts.append(trajectory)
-            if ctx.should_stop():  # every process has the same number of batches (validated)
-                return None
-        return Collected(Trajectory.cat(parts), self.metrics(points, spans))
+            return [self.submit(trajectory)]
+
+        parts = self.sample_batches(slots, epoch, sample)
+        return None if parts is None else Collected(Trajectory.cat(parts), self.metrics(points, spans))

@@ -81,7 +81,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from samplers import get_sde_step, ode_step, sde_step
 
@@ -544,13 +543,9 @@ class Tree(RolloutStrategy):
     def collect(self, epoch: int) -> Collected | None:
         ctx, cfg = self.context, self.context.config
         sde, stored = stored_steps_at(cfg, epoch)
-        pairs = self.slots(epoch)
-        size = cfg.sampler.batch_size
-        parts: list[Trajectory] = []
-        for start in tqdm(range(0, len(pairs), size), desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress):
-            batch = pairs[start : start + size]
-            prompts = [ctx.data.prompts[s.prompt_index] for s, _ in batch]
-            metadata = [dict(ctx.data.metadata[s.prompt_index]) for s, _ in batch]
+
+        def sample(index: int, batch: list[tuple[EpochSample, int]]) -> list[Trajectory]:
+            prompts, metadata, sources = self.batch_inputs([s for s, _ in batch])
             trajectory = tree_rollout(
                 ctx.adapter,
                 prompts,
@@ -560,19 +555,14 @@ class Tree(RolloutStrategy):
                 self.shape,
                 sde=sde,
                 stored=stored,
-                height=cfg.model.resolution,
-                width=cfg.model.resolution,
                 split_noise_scale=cfg.sampler.tree.split_noise_scale,
-                log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata,
-                noise_seed=cfg.run.seed,
-                sources=ctx.data.sources_of([s.prompt_index for s, _ in batch]),
+                **self.sampling_options(metadata, sources),
             )
-            ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
-            trajectory.images = trajectory.images.cpu()  # kept for image grids only
-            parts.append(trajectory)
-            if ctx.should_stop():  # every process has the same number of batches (validated)
-                return None
+            return [self.submit(trajectory)]
+
+        parts = self.sample_batches(self.slots(epoch), epoch, sample)
+        if parts is None:
+            return None
         trained = self.shape.edges(stored)
         metrics = {
             "tree/edges_trained": float(trained),
