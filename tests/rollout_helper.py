@@ -1,7 +1,7 @@
 """What the rollout strategies' tests share (tests/test_tempflow.py, test_egrpo.py, test_branchgrpo.py,
-test_dense_rewards.py, test_flash.py, test_shared_prefix.py): the tiny SD3 pipeline and its settings, a count of the
-transformer's forwards, a one-process RolloutContext, the strategy's own refusal of objectives that store nothing, and
-one training epoch through the trainer."""
+test_dense_rewards.py, test_flash.py, test_shared_prefix.py): the tiny SD3 pipeline, its settings and its own
+images, a count of the transformer's forwards, a one-process RolloutContext, the strategy's own refusal of
+objectives that store nothing, and one training epoch through the trainer."""
 
 from __future__ import annotations
 
@@ -24,16 +24,22 @@ SIZE, STEPS, CFG_SCALE = 32, 6, 4.5
 STORED = ("latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices", "final_latents")
 
 
-def tiny_sd3_adapter():
+def adapter():
     """The tiny random SD3 pipeline (seed 0; CFG: two rows per image in a forward)."""
     return make_adapter(build_tiny_pipeline("sd3", seed=0))
 
 
-def tiny_sampler(**kwargs: Any) -> SamplerConfig:
+def sampler(**kwargs: Any) -> SamplerConfig:
     """An SDE sampler of ``STEPS`` steps at guidance ``CFG_SCALE``, noise level 0.7, one initial noise per group;
     ``kwargs`` replace any of it."""
     base = {"noise_level": 0.7, "num_steps": STEPS, "guidance_scale": CFG_SCALE, "same_initial_noise": True}
     return SamplerConfig(**{**base, **kwargs})
+
+
+def pipe_images(adapter, prompts: list[str], latents: torch.Tensor) -> torch.Tensor:
+    """What the diffusers pipeline itself draws from ``latents`` (``STEPS`` steps at ``CFG_SCALE``, ``SIZE``²)."""
+    kwargs = {"num_inference_steps": STEPS, "guidance_scale": CFG_SCALE, "height": SIZE, "width": SIZE}
+    return adapter.pipe(prompt=prompts, latents=latents.clone(), output_type="pt", **kwargs).images
 
 
 @contextlib.contextmanager

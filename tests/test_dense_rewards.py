@@ -12,19 +12,9 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import rollout_helper as helper
 import torch
-from rollout_helper import (
-    CFG_SCALE,
-    SIZE,
-    STEPS,
-    TINY,
-    check_refuses_awm,
-    forward_rows,
-    one_epoch,
-    rollout_context,
-    tiny_sd3_adapter,
-    train,
-)
+from rollout_helper import CFG_SCALE, SIZE, STEPS, TINY
 
 from flowgrpo.advantages import AdvantageInputs, group_advantages
 from flowgrpo.advantages.tp import (
@@ -54,7 +44,7 @@ DENSE = ["sampler.rollout=dense", "sampler.same_initial_noise=true"]
 
 @pytest.fixture(scope="module")
 def adapter():
-    return tiny_sd3_adapter()
+    return helper.adapter()
 
 
 class Recorder:
@@ -70,7 +60,7 @@ class Recorder:
 
 def _dense(adapter, *overrides, score=None):
     config = load_config(TINY, [*DENSE, *overrides])
-    return Dense(rollout_context(config, adapter, score=score if score is not None else Recorder()))
+    return Dense(helper.rollout_context(config, adapter, score=score if score is not None else Recorder()))
 
 
 def _sample(dense, window, seed=1):
@@ -89,7 +79,7 @@ def test_each_stage_is_scored_on_x0_from_the_rollouts_own_velocity(adapter):
     score = Recorder()
     dense = _dense(adapter, score=score)
     window = range(1, 4)
-    with forward_rows(adapter) as calls:
+    with helper.forward_rows(adapter) as calls:
         traj = _sample(dense, window)
     assert len(calls) == STEPS  # the chain's forwards, none added
     values = traj.extras["step_rewards"]
@@ -153,7 +143,7 @@ def test_ode_values_complete_each_stage_with_the_ode(adapter):
     forwards: S - k - j for each stage j < W."""
     window = range(0, 3)
     dense = _dense(adapter, "sampler.dense.value=ode")
-    with forward_rows(adapter) as calls:
+    with helper.forward_rows(adapter) as calls:
         traj = _sample(dense, window)
     assert len(calls) == STEPS + sum(STEPS - j for j in range(3)) == dense.counts["extra_forwards"] + STEPS
     values = traj.extras["step_rewards"]
@@ -314,7 +304,7 @@ def test_bad_settings_are_refused_naming_the_key_and_the_fix(overrides, match):
 
 
 def test_objectives_that_train_final_samples_are_refused_by_the_rollout():
-    check_refuses_awm(Dense, DENSE)
+    helper.check_refuses_awm(Dense, DENSE)
 
 
 def test_ode_values_with_per_batch_windows_are_refused_under_fsdp(monkeypatch):
@@ -329,7 +319,9 @@ def test_ode_values_with_per_batch_windows_are_refused_under_fsdp(monkeypatch):
 # ------------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("estimator", ["turning_point", "vgpo"])
 def test_one_tiny_epoch_trains_with_each_estimator(tmp_path, estimator):
-    _, row = train(load_config(TINY, one_epoch(tmp_path, *DENSE, f"grpo.advantage.estimator={estimator}")))
+    _, row = helper.train(
+        load_config(TINY, helper.one_epoch(tmp_path, *DENSE, f"grpo.advantage.estimator={estimator}"))
+    )
     assert row["train/onpolicy_ratio_dev"] < 1e-6  # the stored log-probs re-score exactly before the first update
     batches, stages = 2, STEPS  # 16 images in batches of 8; W = 5 window steps -> 6 stages
     assert row["dense/decodes"] == row["dense/reward_calls"] == batches * stages and row["dense/extra_forwards"] == 0

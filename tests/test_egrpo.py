@@ -10,21 +10,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import rollout_helper as helper
 import torch
-from rollout_helper import (
-    CFG_SCALE,
-    SIZE,
-    STEPS,
-    STORED,
-    TINY,
-    check_refuses_awm,
-    forward_rows,
-    one_epoch,
-    rollout_context,
-    tiny_sampler,
-    tiny_sd3_adapter,
-    train,
-)
+from rollout_helper import CFG_SCALE, SIZE, STEPS, STORED, TINY
 
 from flowgrpo.advantages import AdvantageInputs, compute_advantages
 from flowgrpo.config import ConfigError, load_config
@@ -53,7 +41,7 @@ MERGES = {7: (1, 3), 2: (3, 1), 5: (0, 2)}
 
 @pytest.fixture(scope="module")
 def adapter():
-    return tiny_sd3_adapter()
+    return helper.adapter()
 
 
 def _rollout(adapter, sampler, prompts=PROMPTS, groups=GROUPS, merges=MERGES, seed=1, **kwargs):
@@ -193,7 +181,7 @@ def test_the_reference_plan_is_a_threshold_plan_on_its_flux_schedule():
 def test_noise_free_merged_rollout_is_the_ode_on_the_merged_schedule(adapter):
     """With noise 0 each group's merged step is one Euler jump t_k → t_{k+m}: the Euler ODE on the schedule without
     t_{k+1} .. t_{k+m-1}."""
-    sampler = tiny_sampler(noise_level=0.0)
+    sampler = helper.sampler(noise_level=0.0)
     x = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, group_ids=GROUPS, same_within_group=True, noise_seed=3,
                               generator=None)  # fmt: skip
     got = _rollout(adapter, sampler, initial_latents=x)
@@ -209,7 +197,7 @@ def test_noise_free_merged_rollout_is_the_ode_on_the_merged_schedule(adapter):
 
 
 def test_spans_of_one_are_the_branch_rollout_bit_for_bit(adapter):
-    sampler = tiny_sampler()
+    sampler = helper.sampler()
     points = {g: (k, 1) for g, (k, _) in MERGES.items()}
     merged = _rollout(adapter, sampler, merges=points)
     generator = torch.Generator().manual_seed(1)
@@ -220,7 +208,7 @@ def test_spans_of_one_are_the_branch_rollout_bit_for_bit(adapter):
 
 
 def test_the_stored_transition_is_the_merged_step_and_the_ode_resumes_after_it(adapter):
-    sampler = tiny_sampler()
+    sampler = helper.sampler()
     got = _rollout(adapter, sampler)
     sigmas, _ = adapter.schedule(STEPS, SIZE, SIZE)
     ks = torch.tensor([MERGES[g][0] for g in GROUPS])
@@ -248,7 +236,7 @@ def test_the_stored_transition_is_the_merged_step_and_the_ode_resumes_after_it(a
 
 
 def test_rescoring_gives_ratio_exactly_one_on_policy(adapter):
-    sampler = tiny_sampler()
+    sampler = helper.sampler()
     same = _rollout(adapter, sampler, merges={g: (1, 3) for g in MERGES})  # every group the same merged step
     mixed = _rollout(adapter, sampler)
     for traj, exact in ((same, True), (mixed, False)):
@@ -265,11 +253,11 @@ def test_rescoring_gives_ratio_exactly_one_on_policy(adapter):
 def test_every_batch_runs_one_forward_per_step_even_inside_a_merged_step(adapter):
     """One group of 3 merging steps 1..3 of 6: step 0 the trunk (1 row), step 1 its 3 branches, steps 2 and 3 nothing
     needs the network (one row runs anyway, discarded), steps 4 and 5 the 3 images. CFG doubles every row."""
-    sampler = tiny_sampler()
-    with forward_rows(adapter) as rows:
+    sampler = helper.sampler()
+    with helper.forward_rows(adapter) as rows:
         _rollout(adapter, sampler, ["a red cube"] * 3, [4] * 3, {4: (1, 3)})
     assert rows == [2 * n for n in (1, 3, 1, 1, 3, 3)]
-    with forward_rows(adapter) as rows:
+    with helper.forward_rows(adapter) as rows:
         _rollout(adapter, sampler)
     assert len(rows) == STEPS
 
@@ -277,7 +265,7 @@ def test_every_batch_runs_one_forward_per_step_even_inside_a_merged_step(adapter
 # ---------------------------------------------------------------------------------------------- strategy, config
 def _context(adapter, config):
     submitted: list[int] = []
-    context = rollout_context(config, adapter, submit=lambda images, *_: submitted.append(len(images)))
+    context = helper.rollout_context(config, adapter, submit=lambda images, *_: submitted.append(len(images)))
     return context, submitted
 
 
@@ -359,7 +347,9 @@ def test_bad_settings_are_refused_naming_the_key_and_the_fix(overrides, match):
 
 
 def test_objectives_that_store_nothing_are_refused():
-    check_refuses_awm(EntropyMerge, [*MERGE, *PLAN], "sampler.rollout=entropy_merge stores each image's branch step")
+    helper.check_refuses_awm(
+        EntropyMerge, [*MERGE, *PLAN], "sampler.rollout=entropy_merge stores each image's branch step"
+    )
 
 
 def test_a_threshold_set_in_code_must_be_finite():  # the YAML loader refuses .inf itself
@@ -375,6 +365,6 @@ def test_memory_counts_one_stored_step_per_image():
 
 
 def test_one_tiny_epoch_trains_on_policy(tmp_path):
-    _, row = train(load_config(TINY, one_epoch(tmp_path, *MERGE, *PLAN)))  # the weights move
+    _, row = helper.train(load_config(TINY, helper.one_epoch(tmp_path, *MERGE, *PLAN)))  # the weights move
     assert row["train/onpolicy_ratio_dev"] < 1e-5
     assert 0 <= row["merge/step_min"] <= row["merge/step_max"] <= 1 and row["merge/span_max"] == 3
