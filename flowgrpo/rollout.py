@@ -37,6 +37,7 @@ VelocityFn = Callable[[Tensor, Tensor], Tensor]  # v(x, sigma)
 StepFn = Callable[[Tensor, Tensor, Tensor, Tensor], Transition]  # (v, x, t, t_next): sde_step with its options bound
 # (i, x_i, t_i, v(x_i, t_i)): a window or post-window step of the plan's schedule, seen before it is taken (read-only)
 StepObserver = Callable[[int, Tensor, Tensor, Tensor], None]
+StepVelocity = Callable[[Tensor, int], tuple[Tensor, Tensor, Tensor]]  # (x, i) -> (t_i, t_{i+1}, v(x, t_i))
 
 
 @dataclass
@@ -268,10 +269,9 @@ def rollout(
     sigmas, _ = adapter.schedule(sampler.num_steps, height, width, time_shift=sampler.time_shift)
     plan = plan_rollout(sampler, window, sigmas)
     gs = sampler.guidance_scale
-    embeds = adapter.encode_conditions(
-        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    embeds, x = _embeds_and_noise(
+        adapter, sampler, prompts, group_ids, initial_latents, generator, height, width, noise_seed, sources
     )
-    x = _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
     velocity_fn = _velocity_fn(adapter, embeds, sampler, gs)
     sde_options = {"t_second": plan.t_second, "velocity_fn": velocity_fn, "generator": generator}
     sde = functools.partial(sde_step, sampler.kind, reduce=log_prob_reduce, **sde_options, **_step_kwargs(sampler))
@@ -279,8 +279,9 @@ def rollout(
     prefix_velocity = velocity_fn if rows is None else _velocity_fn(adapter, embeds.select(rows[0]), sampler, gs)
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
-        x, history, stored = _window(plan, velocity_fn, sde, x, history, bar, observe)  # SDE, stored
-        x = _tail(plan, velocity_fn, sde, x, history, bar, observe)  # the post-window solver; the final SDE step
+        at = _observed(plan, velocity_fn, observe)
+        x, history, stored = _window(plan, at, sde, x, history, bar)  # SDE, stored
+        x = _tail(plan, at, sde, x, history, bar)  # the post-window solver; the final SDE step
 
     before, after, log_probs, stds = stored
     window_idx = list(plan.window)
@@ -301,29 +302,49 @@ def rollout(
         step_indices=per_sample(torch.tensor(window_idx, dtype=torch.long)),
         t_second=plan.t_second,
         guidance_scale=gs,
-        height=height,
-        width=width,
-        final_latents=x,
-        images=adapter.decode(x, height, width) if decode else None,
-        metadata=list(metadata) if metadata is not None else [],
+        **_final_fields(adapter, x, height, width, decode, metadata),
     )
 
 
-def _initial_latents(
+def _final_fields(
+    adapter: PipelineAdapter,
+    final_latents: Tensor,
+    height: int,
+    width: int,
+    decode: bool,
+    metadata: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The :class:`Trajectory` fields of a batch's end, the same for every rollout function: the final latents, their
+    decoded images (None unless ``decode``), the size and a copy of the metadata list."""
+    return {
+        "height": height,
+        "width": width,
+        "final_latents": final_latents,
+        "images": adapter.decode(final_latents, height, width) if decode else None,
+        "metadata": list(metadata) if metadata is not None else [],
+    }
+
+
+def _embeds_and_noise(
     adapter: PipelineAdapter,
     sampler: SamplerConfig,
+    prompts: list[str],
     group_ids: Tensor,
     initial_latents: Tensor | None,
     generator: torch.Generator | None,
     height: int,
     width: int,
     noise_seed: int,
-) -> Tensor:
-    """The caller's ``initial_latents`` (shape-checked), else noise drawn by the adapter (``same_initial_noise``: one
-    draw per group)."""
+    sources: Sequence[Any] | None,
+) -> tuple[PromptEmbeds, Tensor]:
+    """The start of every rollout function: the batch's conditioning (with the negative prompt's where the guidance
+    needs it; ``sources``: editing's source images), then its initial latents: the caller's ``initial_latents``
+    (shape-checked), else noise drawn by the adapter (``same_initial_noise``: one draw per group)."""
+    negative = adapter.needs_negative(sampler.guidance_scale)
+    embeds = adapter.encode_conditions(prompts, with_negative=negative, sources=sources, height=height, width=width)
     n = len(group_ids)
     if initial_latents is None:
-        return adapter.initial_noise(
+        noise = adapter.initial_noise(
             n,
             height,
             width,
@@ -332,10 +353,11 @@ def _initial_latents(
             same_within_group=sampler.same_initial_noise,
             noise_seed=noise_seed,
         )
+        return embeds, noise
     expected = (n, *adapter.latent_shape(height, width))
     if tuple(initial_latents.shape) != expected:
         raise ValueError(f"initial_latents must have shape {expected}, got {tuple(initial_latents.shape)}")
-    return initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
+    return embeds, initial_latents.to(device=adapter.device, dtype=adapter.latent_dtype)
 
 
 def _record(plan: RolloutPlan, x: Tensor, t: Tensor, v: Tensor, history: SolverHistory) -> SolverHistory:
@@ -370,23 +392,27 @@ def _prefix(
     return x, history
 
 
+def _observed(plan: RolloutPlan, velocity_fn: VelocityFn, observe: StepObserver | None) -> StepVelocity:
+    """``at(x, i)``: step ``i``'s ``(t_i, t_{i+1}, v(x, t_i))``, shown to ``observe`` (when given) before the step."""
+
+    def at(x: Tensor, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
+        v = velocity_fn(x, t)
+        if observe is not None:
+            observe(i, x, t, v)
+        return t, t_next, v
+
+    return at
+
+
 def _window(
-    plan: RolloutPlan,
-    velocity_fn: VelocityFn,
-    sde: StepFn,
-    x: Tensor,
-    history: SolverHistory,
-    bar: tqdm,
-    observe: StepObserver | None = None,
+    plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm
 ) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
     """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
     stds)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``)."""
     before, after, log_probs, stds = [], [], [], []
     for i in plan.window:
-        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if observe is not None:
-            observe(i, x, t, v)
+        t, t_next, v = at(x, i)
         history = _record(plan, x, t, v, history)
         step = sde(v, x, t, t_next)
         before.append(x)
@@ -399,31 +425,16 @@ def _window(
     return x, history, (before, after, log_probs, stds)
 
 
-def _tail(
-    plan: RolloutPlan,
-    velocity_fn: VelocityFn,
-    sde: StepFn,
-    x: Tensor,
-    history: SolverHistory,
-    bar: tqdm,
-    observe: StepObserver | None = None,
-) -> Tensor:
+def _tail(plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm) -> Tensor:
     """The steps after the window: the post-window solver's (from the carried history, if any); then, with
     ``last_step_sde``, the final step with the SDE, as Flow-GRPO samples it (never trained: nothing is stored)."""
     solver = get_solver(plan.tail_solver)
     for i in plan.tail:
-        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if observe is not None:
-            observe(i, x, t, v)
+        t, t_next, v = at(x, i)
         x, history = solver(v, x, t, t_next, history)
         bar.update()
     if plan.last_step_sde:
-        i = plan.num_steps - 1
-        t, t_next = plan.sigmas[i], plan.sigmas[i + 1]
-        v = velocity_fn(x, t)
-        if observe is not None:
-            observe(i, x, t, v)
+        t, t_next, v = at(x, plan.num_steps - 1)
         x = sde(v, x, t, t_next).sample
         bar.update()
     return x

@@ -78,9 +78,9 @@ import time
 import urllib.parse
 import warnings
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -397,7 +397,7 @@ class RemoteReward(BaseReward):
                 break
             attempts += 1
             try:
-                status, data = _post_once(target, body, min(self.timeout, left), headers=self._headers)
+                status, data = _http_request("POST", target, body, min(self.timeout, left), self._headers)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, garbled
                 last = f"{type(err).__name__}: {err}"
             else:
@@ -682,27 +682,51 @@ def _parse_url(url: Any) -> urllib.parse.SplitResult:
     return parts
 
 
-def _post_once(
-    target: urllib.parse.SplitResult, body: bytes, seconds: float, *, headers: dict[str, str] | None = None
-) -> tuple[int, bytes]:
-    """One POST, (status, reply body), within ``seconds`` of wall-clock time; ``headers`` default to JSON's.
+class _Stoppable(Protocol):
+    """A group of requests that can be ended at once (the VLM judge's batch): ``add`` registers a request's abort
+    (False once stopped: the request must not be sent), ``discard`` drops it, ``stopped`` is set by the stop."""
 
-    A socket timeout bounds each read only, so a server that sends a byte now and then could hold a read loop
-    forever; a timer shuts the socket down at the deadline instead, which ends any blocked call at once."""
+    stopped: threading.Event
+
+    def add(self, abort: Callable[[], None]) -> bool: ...
+
+    def discard(self, abort: Callable[[], None]) -> None: ...
+
+
+def _http_request(
+    method: str,
+    target: urllib.parse.SplitResult,
+    body: bytes | None,
+    seconds: float,
+    headers: dict[str, str],
+    batch: _Stoppable | None = None,
+    *,
+    max_reply: int = MAX_REPLY_BYTES,
+    replier: str = "a reward server's",
+) -> tuple[int, bytes]:
+    """One HTTP request, (status, reply body), within ``seconds`` of wall-clock time, or ended by ``batch``'s stop.
+    A reply over ``max_reply`` bytes is refused (``replier``: what a reply comes from, for the message).
+
+    A socket timeout bounds each read only (a server that drips bytes could hold a read loop forever), so a timer
+    shuts the socket down at the deadline instead, as a stop does; either ends any blocked call at once. Raises
+    ``TimeoutError`` then, and ``OSError`` / ``http.client.HTTPException`` for the connection's failures."""
     cls = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
-    connection = cls(target.hostname, target.port, timeout=seconds)
-    expired, sockets = threading.Event(), []
+    connection = cls(target.hostname, target.port, timeout=max(seconds, 0.001))
+    ended, sockets = threading.Event(), []
 
     def abort() -> None:
-        expired.set()
+        ended.set()
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
     def check_time() -> None:
-        if expired.is_set():
-            raise TimeoutError(f"no complete reply within {seconds:g} s")
+        if ended.is_set():
+            stopped = batch is not None and batch.stopped.is_set()
+            raise TimeoutError("the batch was stopped" if stopped else f"no complete reply within {seconds:.3g} s")
 
+    if batch is not None and not batch.add(abort):
+        raise TimeoutError("the batch was stopped")
     timer = threading.Timer(seconds, abort)
     timer.daemon = True
     timer.start()
@@ -710,21 +734,23 @@ def _post_once(
     try:
         connection.connect()
         sockets.append(connection.sock)  # kept: http.client drops its reference once a reply says it will close
-        check_time()
-        connection.request("POST", path, body=body, headers=headers or {"Content-Type": "application/json"})
+        check_time()  # an abort between connect() and the line above found no socket to shut
+        connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
-        if response.length is not None and response.length > MAX_REPLY_BYTES:
-            raise http.client.HTTPException(f"reply of {response.length} bytes; a reward server's is far smaller")
-        data = response.read(MAX_REPLY_BYTES + 1)
+        if response.length is not None and response.length > max_reply:
+            raise http.client.HTTPException(f"reply of {response.length} bytes; {replier} is far smaller")
+        data = response.read(max_reply + 1)
         check_time()  # a socket shut down at the deadline reads as an early end of the reply
-        if len(data) > MAX_REPLY_BYTES or (response.length is not None and response.length > 0):
-            raise http.client.HTTPException(f"reply cut short or longer than {MAX_REPLY_BYTES} bytes")
+        if len(data) > max_reply or (response.length is not None and response.length > 0):
+            raise http.client.HTTPException(f"reply cut short or longer than {max_reply} bytes")
         return response.status, data
-    except (OSError, http.client.HTTPException) as err:
+    except (OSError, http.client.HTTPException):
         check_time()
-        raise err
+        raise
     finally:
         timer.cancel()
+        if batch is not None:
+            batch.discard(abort)
         connection.close()
 
 

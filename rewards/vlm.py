@@ -111,8 +111,8 @@ parser's rules above are this module's own.
 from __future__ import annotations
 
 import base64
-import contextlib
 import difflib
+import functools
 import http.client
 import io
 import json
@@ -120,10 +120,8 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -136,7 +134,7 @@ from torch import Tensor
 
 from .base import BaseReward, to_uint8_hwc
 from .registry import register_reward
-from .remote import RemoteRewardError, _parse_url, _positive
+from .remote import RemoteRewardError, _http_request, _parse_url, _positive
 
 logger = logging.getLogger("rewards.vlm")
 PARSERS = ("number", "yes_no", "regex")
@@ -279,61 +277,8 @@ class _Batch:
             self._aborts.discard(abort)
 
 
-def _request(
-    method: str,
-    target: urllib.parse.SplitResult,
-    body: bytes | None,
-    seconds: float,
-    headers: dict[str, str],
-    batch: _Batch | None = None,
-) -> tuple[int, bytes]:
-    """One HTTP request, (status, reply body), within ``seconds`` of wall-clock time, or ended by ``batch.stop()``.
-
-    A socket timeout bounds each read only (a server that drips bytes could hold a read loop forever), so a timer
-    shuts the socket down at the deadline instead, as ``batch.stop()`` does; either ends any blocked call at once.
-    Raises ``TimeoutError`` then, and ``OSError`` / ``http.client.HTTPException`` for the connection's failures."""
-    cls = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
-    connection = cls(target.hostname, target.port, timeout=max(seconds, 0.001))
-    ended, sockets = threading.Event(), []
-
-    def abort() -> None:
-        ended.set()
-        for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def check_time() -> None:
-        if ended.is_set():
-            stopped = batch is not None and batch.stopped.is_set()
-            raise TimeoutError("the batch was stopped" if stopped else f"no complete reply within {seconds:.3g} s")
-
-    if batch is not None and not batch.add(abort):
-        raise TimeoutError("the batch was stopped")
-    timer = threading.Timer(seconds, abort)
-    timer.daemon = True
-    timer.start()
-    path = (target.path or "/") + (f"?{target.query}" if target.query else "")
-    try:
-        connection.connect()
-        sockets.append(connection.sock)  # kept: http.client drops its reference once a reply says it will close
-        check_time()  # an abort between connect() and the line above found no socket to shut
-        connection.request(method, path, body=body, headers=headers)
-        response = connection.getresponse()
-        if response.length is not None and response.length > MAX_REPLY_BYTES:
-            raise http.client.HTTPException(f"reply of {response.length} bytes; a chat completion is far smaller")
-        data = response.read(MAX_REPLY_BYTES + 1)
-        check_time()  # a socket shut down at the deadline reads as an early end of the reply
-        if len(data) > MAX_REPLY_BYTES or (response.length is not None and response.length > 0):
-            raise http.client.HTTPException(f"reply cut short or longer than {MAX_REPLY_BYTES} bytes")
-        return response.status, data
-    except (OSError, http.client.HTTPException):
-        check_time()
-        raise
-    finally:
-        timer.cancel()
-        if batch is not None:
-            batch.discard(abort)
-        connection.close()
+# One HTTP request within a deadline, ended at once by the batch's stop: the remote reward's, with a judge's limit.
+_request = functools.partial(_http_request, max_reply=MAX_REPLY_BYTES, replier="a chat completion")
 
 
 # ---------------------------------------------------------------------------- reading replies

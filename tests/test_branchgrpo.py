@@ -9,12 +9,13 @@ see the same rows, bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 
 import pytest
+import rollout_helper as helper
 import torch
+from rollout_helper import SIZE, STEPS, TINY
 
 from flowgrpo.adapters import make_adapter
 from flowgrpo.advantages import AdvantageInputs, compute_advantages
@@ -25,7 +26,7 @@ from flowgrpo.advantages.tree import (
     tree_group_advantages,
     width_pruned,
 )
-from flowgrpo.config import ConfigError, SamplerConfig, load_config
+from flowgrpo.config import ConfigError, load_config
 from flowgrpo.objectives import MicroBatch
 from flowgrpo.objectives.clipped import Clipped
 from flowgrpo.rollout import evaluate_transitions, rollout
@@ -42,10 +43,8 @@ from flowgrpo.rollouts.tree import (
 )
 from flowgrpo.tiny import build_tiny_pipeline
 
-SIZE, STEPS, CFG_SCALE = 32, 6, 4.5
 SHAPE = TreeShape(STEPS, (0, 2), 2)  # 4 leaves: split at step 0 and step 2
 SDE = list(range(STEPS - 1))
-TINY = "configs/tiny_sd3.yaml"
 TREE = [
     "sampler.rollout=tree",
     "grpo.advantage.estimator=tree",
@@ -56,12 +55,7 @@ TREE = [
 
 @pytest.fixture(scope="module")
 def adapter():
-    return make_adapter(build_tiny_pipeline("sd3", seed=0))
-
-
-def _sampler(**kwargs) -> SamplerConfig:
-    base = {"noise_level": 0.7, "num_steps": STEPS, "guidance_scale": CFG_SCALE, "same_initial_noise": True}
-    return SamplerConfig(**{**base, **kwargs})
+    return helper.adapter()
 
 
 def _tree(adapter, sampler=None, prompts=None, groups=None, leaves=None, shape=SHAPE, sde=SDE, stored=None, **kw):
@@ -73,7 +67,7 @@ def _tree(adapter, sampler=None, prompts=None, groups=None, leaves=None, shape=S
         prompts,
         groups,
         leaves,
-        sampler or _sampler(),
+        sampler or helper.sampler(),
         shape,
         sde=sde,
         stored=sde if stored is None else stored,
@@ -81,19 +75,6 @@ def _tree(adapter, sampler=None, prompts=None, groups=None, leaves=None, shape=S
         width=SIZE,
         **kw,
     )
-
-
-@contextlib.contextmanager
-def _forward_rows(adapter):
-    rows: list[int] = []
-    handle = adapter.transformer.register_forward_pre_hook(
-        lambda mod, args, kwargs: rows.append(kwargs.get("hidden_states", args[0] if args else None).shape[0]),
-        with_kwargs=True,
-    )
-    try:
-        yield rows
-    finally:
-        handle.remove()
 
 
 # ------------------------------------------------------------------ advantages, by hand
@@ -246,33 +227,31 @@ def test_the_deal_stores_every_edge_once_below_it_and_balances():
 def test_the_tree_costs_one_row_per_node_and_step_against_g_chains(adapter):
     """Two groups of 4 leaves split at 0 and 2: n(d) = 1, 2, 2, 4, 4, 4 rows per group at steps 0..5 (17 of 24); two
     leaves of a group alone cost only their ancestors."""
-    with _forward_rows(adapter) as rows:
+    with helper.forward_rows(adapter) as rows:
         _tree(adapter)
     assert rows == [2 * 2 * n for n in (1, 2, 2, 4, 4, 4)]  # CFG doubles, two groups
     assert SHAPE.forward_rows() == 17 and sum(rows) / 2 / 8 == 17 / 4
-    with _forward_rows(adapter) as rows:
+    with helper.forward_rows(adapter) as rows:
         rollout(
-            adapter, ["a red cube"] * 8, [3] * 8, _sampler(shared_prefix=False), range(0, 5), height=SIZE, width=SIZE
+            adapter,
+            ["a red cube"] * 8,
+            [3] * 8,
+            helper.sampler(shared_prefix=False),
+            range(0, 5),
+            height=SIZE,
+            width=SIZE,
         )
     assert rows == [2 * 8] * STEPS  # G independent chains: G·T
-    with _forward_rows(adapter) as rows:
+    with helper.forward_rows(adapter) as rows:
         _tree(adapter, prompts=["a red cube"] * 2, groups=[3, 3], leaves=[1, 3])
     assert rows == [2 * n for n in (1, 2, 2, 2, 2, 2)]
 
 
 def test_noise_free_tree_is_the_ode_and_pipe(adapter):
-    sampler = _sampler(noise_level=0.0)
+    sampler = helper.sampler(noise_level=0.0)
     got = _tree(adapter, sampler, prompts=["a red cube"] * 4, groups=[3] * 4, leaves=[0, 1, 2, 3])
     x = adapter.initial_noise(4, SIZE, SIZE, group_ids=[3] * 4, same_within_group=True, noise_seed=0)
-    expected = adapter.pipe(
-        prompt=["a red cube"] * 4,
-        latents=x.clone(),
-        num_inference_steps=STEPS,
-        guidance_scale=CFG_SCALE,
-        height=SIZE,
-        width=SIZE,
-        output_type="pt",
-    ).images
+    expected = helper.pipe_images(adapter, ["a red cube"] * 4, x)
     ode = rollout(
         adapter, ["a red cube"] * 4, [3] * 4, sampler, range(0, 0), height=SIZE, width=SIZE, initial_latents=x
     )
@@ -335,9 +314,9 @@ def test_split_noise_scale_widens_the_split_steps_and_keeps_the_unscaled_log_pro
     assert not torch.equal(wide.latents[step1], base.latents[step1])  # the tree moved on from the wider split
     with torch.no_grad():
         for j in range(wide.num_trained_steps):
-            assert torch.equal(evaluate_transitions(adapter, wide, j, _sampler()).log_prob, wide.log_probs[:, j])
-    still = _tree(adapter, _sampler(noise_level=0.0), split_noise_scale=4.0)
-    torch.testing.assert_close(still.final_latents, _tree(adapter, _sampler(noise_level=0.0)).final_latents)
+            assert torch.equal(evaluate_transitions(adapter, wide, j, helper.sampler()).log_prob, wide.log_probs[:, j])
+    still = _tree(adapter, helper.sampler(noise_level=0.0), split_noise_scale=4.0)
+    torch.testing.assert_close(still.final_latents, _tree(adapter, helper.sampler(noise_level=0.0)).final_latents)
 
 
 def _edge_noise_of(traj, mask):
@@ -412,11 +391,11 @@ def test_mix_steps_outside_the_window_are_the_ode(adapter):
     lp = traj.extras["tree_path_log_prob"]
     assert torch.equal(lp[:, [1, 4, 5]], torch.zeros(8, 3)) and (lp[:, [0, 2, 3]] != 0).all()
     assert set(traj.step_indices.flatten().tolist()) == {0, 2, 3}
-    noise_free = _tree(adapter, _sampler(noise_level=0.0), sde=[0, 2, 3])
-    torch.testing.assert_close(noise_free.final_latents, _tree(adapter, _sampler(noise_level=0.0)).final_latents)
+    noise_free = _tree(adapter, helper.sampler(noise_level=0.0), sde=[0, 2, 3])
+    torch.testing.assert_close(noise_free.final_latents, _tree(adapter, helper.sampler(noise_level=0.0)).final_latents)
     with torch.no_grad():
         for j in range(traj.num_trained_steps):
-            assert torch.equal(evaluate_transitions(adapter, traj, j, _sampler()).log_prob, traj.log_probs[:, j])
+            assert torch.equal(evaluate_transitions(adapter, traj, j, helper.sampler()).log_prob, traj.log_probs[:, j])
 
 
 @pytest.mark.parametrize("kind", ["wan", "flux-kontext"])
@@ -428,14 +407,14 @@ def test_video_and_editing_models_grow_trees_too(kind):
     other = make_adapter(build_tiny_pipeline(kind, seed=0))
     shape, sde = TreeShape(4, (0, 1), 2), [0, 1, 2]
     sources = {"sources": [Image.new("RGB", (SIZE, SIZE), (200, 30, 30))] * 4} if kind == "flux-kontext" else {}
-    sampler = _sampler(num_steps=4, guidance_scale=4.0)
+    sampler = helper.sampler(num_steps=4, guidance_scale=4.0)
     args = (other, ["a red cube"] * 4, [1] * 4, [0, 1, 2, 3])
     traj = tree_rollout(*args, sampler, shape, sde=sde, stored=sde, height=SIZE, width=SIZE, **sources)
     assert (traj.source_images is not None) == (kind == "flux-kontext") and traj.num_trained_steps == 3
     with torch.no_grad():
         for j in range(traj.num_trained_steps):
             assert torch.equal(evaluate_transitions(other, traj, j, sampler).log_prob, traj.log_probs[:, j])
-    still = _sampler(num_steps=4, guidance_scale=4.0, noise_level=0.0)
+    still = helper.sampler(num_steps=4, guidance_scale=4.0, noise_level=0.0)
     flat = tree_rollout(*args, still, shape, sde=sde, stored=sde, height=SIZE, width=SIZE, **sources)
     ode = rollout(*args[:3], still, range(0, 0), height=SIZE, width=SIZE, **sources)
     torch.testing.assert_close(flat.final_latents, ode.final_latents, rtol=1e-5, atol=1e-5)
@@ -480,32 +459,14 @@ def test_bad_settings_are_refused_naming_the_key_and_the_fix(overrides, match):
 
 
 def test_objectives_that_store_nothing_are_refused_by_the_rollout():
-    config = load_config(TINY, TREE)
-    config.grpo.objective = "awm"  # past awm's own checks: the rollout's
-    with pytest.raises(ConfigError, match="grpo.objective=awm trains the final samples"):
-        Tree.validate(config)
+    helper.check_refuses_awm(Tree, TREE)
 
 
 def test_the_strategy_deals_whole_trees_and_processes_agree(adapter):
-    from flowgrpo.data import PromptDataset
-    from flowgrpo.objectives import get_objective
-    from flowgrpo.rollouts import RolloutContext
-
     config = load_config(TINY, [*TREE, "grpo.groups_per_epoch=3", "sampler.batch_size=6", "train.batch_size=6"])
-    data = PromptDataset.from_file(config.data.train)
 
     def context(rank, processes):
-        return RolloutContext(
-            config,
-            adapter,
-            data,
-            get_objective("clipped")(config),
-            torch.Generator().manual_seed(0),
-            rank,
-            processes,
-            submit=lambda *a: None,
-            should_stop=lambda: False,
-        )
+        return helper.rollout_context(config, adapter, rank=rank, processes=processes)
 
     alone = Tree(context(0, 1)).collect(epoch=2)
     traj = alone.trajectory
@@ -520,19 +481,12 @@ def test_the_strategy_deals_whole_trees_and_processes_agree(adapter):
 
 def test_one_tiny_epoch_trains_on_policy_and_the_memory_estimate_counts_the_slots(tmp_path):
     from flowgrpo.memory import stored_steps
-    from flowgrpo.trainer import GRPOTrainer
 
-    overrides = [*TREE, f"run.output_dir={tmp_path}", "run.epochs=1", "eval.every=0", "run.progress=false"]
-    config = load_config(TINY, [*overrides, "grpo.advantage.tree.width_pruning=best_worst"])
+    config = load_config(TINY, helper.one_epoch(tmp_path, *TREE, "grpo.advantage.tree.width_pruning=best_worst"))
     assert stored_steps(config, True) == 4
-    trainer = GRPOTrainer(config)
-    before = [p.detach().clone() for p in trainer.params]
-    trainer.fit()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if "train/loss" in r)
+    _, row = helper.train(config)  # the weights move
     assert row["train/onpolicy_ratio_dev"] == 0.0 and row["tree/slots_per_image"] == 4
     assert row["tree/forward_rows_per_image"] == 17 / 4
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
 
 
 def test_the_tree_benchmark_counts_rows_against_the_arithmetic(tmp_path, capsys):

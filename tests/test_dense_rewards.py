@@ -8,15 +8,14 @@ value equal bit for bit means the predicted latents were equal bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 from types import SimpleNamespace
 
 import pytest
+import rollout_helper as helper
 import torch
+from rollout_helper import CFG_SCALE, SIZE, STEPS, TINY
 
-from flowgrpo.adapters import make_adapter
 from flowgrpo.advantages import AdvantageInputs, group_advantages
 from flowgrpo.advantages.tp import (
     TurningPointSettings,
@@ -35,15 +34,9 @@ from flowgrpo.advantages.vgpo import (
     vgpo,
 )
 from flowgrpo.config import ConfigError, load_config
-from flowgrpo.data import PromptDataset
-from flowgrpo.objectives import get_objective
 from flowgrpo.rollout import evaluate_transitions, rollout
-from flowgrpo.rollouts import RolloutContext
 from flowgrpo.rollouts.dense import Dense, one_step_x0
-from flowgrpo.tiny import build_tiny_pipeline
 
-TINY = "configs/tiny_sd3.yaml"
-SIZE, STEPS, CFG_SCALE = 32, 6, 4.5
 PROMPTS = ["a red cube", "a red cube", "a blue ball", "a blue ball"]
 GROUPS = [3, 3, 8, 8]
 DENSE = ["sampler.rollout=dense", "sampler.same_initial_noise=true"]
@@ -51,7 +44,7 @@ DENSE = ["sampler.rollout=dense", "sampler.same_initial_noise=true"]
 
 @pytest.fixture(scope="module")
 def adapter():
-    return make_adapter(build_tiny_pipeline("sd3", seed=0))
+    return helper.adapter()
 
 
 class Recorder:
@@ -67,34 +60,12 @@ class Recorder:
 
 def _dense(adapter, *overrides, score=None):
     config = load_config(TINY, [*DENSE, *overrides])
-    context = RolloutContext(
-        config,
-        adapter,
-        PromptDataset.from_file(config.data.train),
-        get_objective(config.grpo.objective)(config),
-        torch.Generator().manual_seed(0),
-        0,
-        1,
-        submit=lambda *args: None,
-        should_stop=lambda: False,
-        score=score if score is not None else Recorder(),
-    )
-    return Dense(context)
+    return Dense(helper.rollout_context(config, adapter, score=score if score is not None else Recorder()))
 
 
 def _sample(dense, window, seed=1):
     dense.context.generator.manual_seed(seed)
     return dense.sample_batch(PROMPTS, GROUPS, [{} for _ in PROMPTS], None, window)
-
-
-@contextlib.contextmanager
-def _forwards(adapter):
-    calls: list[int] = []
-    handle = adapter.transformer.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(1), with_kwargs=True)
-    try:
-        yield calls
-    finally:
-        handle.remove()
 
 
 def _mean_pixel(adapter, latents):
@@ -108,7 +79,7 @@ def test_each_stage_is_scored_on_x0_from_the_rollouts_own_velocity(adapter):
     score = Recorder()
     dense = _dense(adapter, score=score)
     window = range(1, 4)
-    with _forwards(adapter) as calls:
+    with helper.forward_rows(adapter) as calls:
         traj = _sample(dense, window)
     assert len(calls) == STEPS  # the chain's forwards, none added
     values = traj.extras["step_rewards"]
@@ -172,7 +143,7 @@ def test_ode_values_complete_each_stage_with_the_ode(adapter):
     forwards: S - k - j for each stage j < W."""
     window = range(0, 3)
     dense = _dense(adapter, "sampler.dense.value=ode")
-    with _forwards(adapter) as calls:
+    with helper.forward_rows(adapter) as calls:
         traj = _sample(dense, window)
     assert len(calls) == STEPS + sum(STEPS - j for j in range(3)) == dense.counts["extra_forwards"] + STEPS
     values = traj.extras["step_rewards"]
@@ -333,10 +304,7 @@ def test_bad_settings_are_refused_naming_the_key_and_the_fix(overrides, match):
 
 
 def test_objectives_that_train_final_samples_are_refused_by_the_rollout():
-    config = load_config(TINY, DENSE)
-    config.grpo.objective = "awm"  # past awm's own checks: the rollout's
-    with pytest.raises(ConfigError, match="grpo.objective=awm trains the final samples"):
-        Dense.validate(config)
+    helper.check_refuses_awm(Dense, DENSE)
 
 
 def test_ode_values_with_per_batch_windows_are_refused_under_fsdp(monkeypatch):
@@ -351,24 +319,11 @@ def test_ode_values_with_per_batch_windows_are_refused_under_fsdp(monkeypatch):
 # ------------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("estimator", ["turning_point", "vgpo"])
 def test_one_tiny_epoch_trains_with_each_estimator(tmp_path, estimator):
-    from flowgrpo.trainer import GRPOTrainer
-
-    overrides = [
-        *DENSE,
-        f"grpo.advantage.estimator={estimator}",
-        f"run.output_dir={tmp_path}",
-        "run.epochs=1",
-        "eval.every=0",
-        "run.progress=false",
-    ]
-    trainer = GRPOTrainer(load_config(TINY, overrides))
-    before = [p.detach().clone() for p in trainer.params]
-    trainer.fit()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if "train/loss" in r)
+    _, row = helper.train(
+        load_config(TINY, helper.one_epoch(tmp_path, *DENSE, f"grpo.advantage.estimator={estimator}"))
+    )
     assert row["train/onpolicy_ratio_dev"] < 1e-6  # the stored log-probs re-score exactly before the first update
     batches, stages = 2, STEPS  # 16 images in batches of 8; W = 5 window steps -> 6 stages
     assert row["dense/decodes"] == row["dense/reward_calls"] == batches * stages and row["dense/extra_forwards"] == 0
     assert row["dense/value_last"] == pytest.approx(row["reward/total/mean"], abs=1e-6)  # window ends at S-2
-    assert row["advantage/abs_mean"] > 0
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
+    assert row["advantage/abs_mean"] > 0  # and the weights moved

@@ -7,21 +7,19 @@ Tolerance as tests/test_tempflow.py: bit for bit where two computations run the 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 
 import pytest
+import rollout_helper as helper
 import torch
+from rollout_helper import CFG_SCALE, SIZE, STEPS, STORED, TINY
 
-from flowgrpo.adapters import make_adapter
 from flowgrpo.advantages import AdvantageInputs, compute_advantages
-from flowgrpo.config import ConfigError, SamplerConfig, load_config
+from flowgrpo.config import ConfigError, load_config
 from flowgrpo.memory import stored_steps
 from flowgrpo.rollout import _velocity_fn, evaluate_transitions
 from flowgrpo.rollouts.branch import branch_rollout
 from flowgrpo.rollouts.merged import EntropyMerge
-from flowgrpo.tiny import build_tiny_pipeline
 from samplers import (
     entropy_merge_plan,
     flowgrpo_diffusion,
@@ -33,11 +31,8 @@ from samplers import (
     static_shift_schedule,
 )
 
-SIZE, STEPS, CFG_SCALE = 32, 6, 4.5
-TINY = "configs/tiny_sd3.yaml"
 MERGE = ["sampler.rollout=entropy_merge", "sampler.same_initial_noise=true"]
 PLAN = ["sampler.entropy_merge.steps=[0, 1]", "sampler.entropy_merge.spans=[1, 3]"]
-STORED = ("latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices", "final_latents")
 # Three groups: 7 (3 images) merges steps 1..3, 2 (2 images) takes step 3 alone, 5 (1 image) merges 0..1.
 PROMPTS = ["a red cube", "a blue ball", "a red cube", "a green cone", "a blue ball", "a red cube"]
 GROUPS = [7, 2, 7, 5, 2, 7]
@@ -46,12 +41,7 @@ MERGES = {7: (1, 3), 2: (3, 1), 5: (0, 2)}
 
 @pytest.fixture(scope="module")
 def adapter():
-    return make_adapter(build_tiny_pipeline("sd3", seed=0))
-
-
-def _sampler(**kwargs) -> SamplerConfig:
-    base = {"noise_level": 0.7, "num_steps": STEPS, "guidance_scale": CFG_SCALE, "same_initial_noise": True}
-    return SamplerConfig(**{**base, **kwargs})
+    return helper.adapter()
 
 
 def _rollout(adapter, sampler, prompts=PROMPTS, groups=GROUPS, merges=MERGES, seed=1, **kwargs):
@@ -70,19 +60,6 @@ def _euler(adapter, sampler, prompts, x, sigmas):
     for t, t_next in zip(sigmas[:-1], sigmas[1:], strict=True):
         x = ode_step(velocity(x, t), x, t, t_next)
     return x
-
-
-@contextlib.contextmanager
-def _forward_rows(adapter):
-    rows: list[int] = []
-    handle = adapter.transformer.register_forward_pre_hook(
-        lambda mod, args, kwargs: rows.append(kwargs.get("hidden_states", args[0] if args else None).shape[0]),
-        with_kwargs=True,
-    )
-    try:
-        yield rows
-    finally:
-        handle.remove()
 
 
 # ---------------------------------------------------------------------------------------------- the merged step
@@ -204,7 +181,7 @@ def test_the_reference_plan_is_a_threshold_plan_on_its_flux_schedule():
 def test_noise_free_merged_rollout_is_the_ode_on_the_merged_schedule(adapter):
     """With noise 0 each group's merged step is one Euler jump t_k → t_{k+m}: the Euler ODE on the schedule without
     t_{k+1} .. t_{k+m-1}."""
-    sampler = _sampler(noise_level=0.0)
+    sampler = helper.sampler(noise_level=0.0)
     x = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, group_ids=GROUPS, same_within_group=True, noise_seed=3,
                               generator=None)  # fmt: skip
     got = _rollout(adapter, sampler, initial_latents=x)
@@ -220,7 +197,7 @@ def test_noise_free_merged_rollout_is_the_ode_on_the_merged_schedule(adapter):
 
 
 def test_spans_of_one_are_the_branch_rollout_bit_for_bit(adapter):
-    sampler = _sampler()
+    sampler = helper.sampler()
     points = {g: (k, 1) for g, (k, _) in MERGES.items()}
     merged = _rollout(adapter, sampler, merges=points)
     generator = torch.Generator().manual_seed(1)
@@ -231,7 +208,7 @@ def test_spans_of_one_are_the_branch_rollout_bit_for_bit(adapter):
 
 
 def test_the_stored_transition_is_the_merged_step_and_the_ode_resumes_after_it(adapter):
-    sampler = _sampler()
+    sampler = helper.sampler()
     got = _rollout(adapter, sampler)
     sigmas, _ = adapter.schedule(STEPS, SIZE, SIZE)
     ks = torch.tensor([MERGES[g][0] for g in GROUPS])
@@ -259,7 +236,7 @@ def test_the_stored_transition_is_the_merged_step_and_the_ode_resumes_after_it(a
 
 
 def test_rescoring_gives_ratio_exactly_one_on_policy(adapter):
-    sampler = _sampler()
+    sampler = helper.sampler()
     same = _rollout(adapter, sampler, merges={g: (1, 3) for g in MERGES})  # every group the same merged step
     mixed = _rollout(adapter, sampler)
     for traj, exact in ((same, True), (mixed, False)):
@@ -276,33 +253,19 @@ def test_rescoring_gives_ratio_exactly_one_on_policy(adapter):
 def test_every_batch_runs_one_forward_per_step_even_inside_a_merged_step(adapter):
     """One group of 3 merging steps 1..3 of 6: step 0 the trunk (1 row), step 1 its 3 branches, steps 2 and 3 nothing
     needs the network (one row runs anyway, discarded), steps 4 and 5 the 3 images. CFG doubles every row."""
-    sampler = _sampler()
-    with _forward_rows(adapter) as rows:
+    sampler = helper.sampler()
+    with helper.forward_rows(adapter) as rows:
         _rollout(adapter, sampler, ["a red cube"] * 3, [4] * 3, {4: (1, 3)})
     assert rows == [2 * n for n in (1, 3, 1, 1, 3, 3)]
-    with _forward_rows(adapter) as rows:
+    with helper.forward_rows(adapter) as rows:
         _rollout(adapter, sampler)
     assert len(rows) == STEPS
 
 
 # ---------------------------------------------------------------------------------------------- strategy, config
 def _context(adapter, config):
-    from flowgrpo.data import PromptDataset
-    from flowgrpo.objectives import get_objective
-    from flowgrpo.rollouts import RolloutContext
-
     submitted: list[int] = []
-    context = RolloutContext(
-        config,
-        adapter,
-        PromptDataset.from_file(config.data.train),
-        get_objective(config.grpo.objective)(config),
-        torch.Generator().manual_seed(0),
-        0,
-        1,
-        submit=lambda images, prompts, metadata, sources: submitted.append(len(images)),
-        should_stop=lambda: False,
-    )
+    context = helper.rollout_context(config, adapter, submit=lambda images, *_: submitted.append(len(images)))
     return context, submitted
 
 
@@ -384,10 +347,9 @@ def test_bad_settings_are_refused_naming_the_key_and_the_fix(overrides, match):
 
 
 def test_objectives_that_store_nothing_are_refused():
-    config = load_config(TINY, [*MERGE, *PLAN])
-    config.grpo.objective = "awm"  # past awm's own checks: the rollout's
-    with pytest.raises(ConfigError, match="sampler.rollout=entropy_merge stores each image's branch step"):
-        EntropyMerge.validate(config)
+    helper.check_refuses_awm(
+        EntropyMerge, [*MERGE, *PLAN], "sampler.rollout=entropy_merge stores each image's branch step"
+    )
 
 
 def test_a_threshold_set_in_code_must_be_finite():  # the YAML loader refuses .inf itself
@@ -403,14 +365,6 @@ def test_memory_counts_one_stored_step_per_image():
 
 
 def test_one_tiny_epoch_trains_on_policy(tmp_path):
-    from flowgrpo.trainer import GRPOTrainer
-
-    overrides = [*MERGE, *PLAN, f"run.output_dir={tmp_path}", "run.epochs=1", "eval.every=0", "run.progress=false"]
-    trainer = GRPOTrainer(load_config(TINY, overrides))
-    before = [p.detach().clone() for p in trainer.params]
-    trainer.fit()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if "train/loss" in r)
+    _, row = helper.train(load_config(TINY, helper.one_epoch(tmp_path, *MERGE, *PLAN)))  # the weights move
     assert row["train/onpolicy_ratio_dev"] < 1e-5
     assert 0 <= row["merge/step_min"] <= row["merge/step_max"] <= 1 and row["merge/span_max"] == 3
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))

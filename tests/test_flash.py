@@ -5,7 +5,6 @@ code's own table, autograd on a toy velocity, the plain ODE at noise 0, and the 
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -14,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from rollout_helper import rollout_context, train
 
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
-from flowgrpo.data import PromptDataset, epoch_plan
+from flowgrpo.data import epoch_plan
 from flowgrpo.objectives import get_objective
 from flowgrpo.objectives.base import MicroBatch
 from flowgrpo.objectives.clipped import grpo_loss, timestep_loss
@@ -27,7 +27,7 @@ from flowgrpo.objectives.flash import (
     schedule_normalizer,
 )
 from flowgrpo.rollout import evaluate_transitions, rollout, stored_log_probs
-from flowgrpo.rollouts import RolloutContext, get_rollout
+from flowgrpo.rollouts import get_rollout
 from flowgrpo.rollouts.iso import group_starts
 from samplers import sde_step
 
@@ -61,17 +61,7 @@ def adapter():
 def _collect(config, adapter, epoch: int, submitted: list | None = None):
     """One epoch of the configured rollout strategy on one process (rewards: the submitted prompts, recorded)."""
     submitted = [] if submitted is None else submitted
-    context = RolloutContext(
-        config,
-        adapter,
-        PromptDataset.from_file(config.data.train),
-        get_objective(config.grpo.objective)(config),
-        torch.Generator().manual_seed(7),
-        0,
-        1,
-        submit=lambda images, prompts, metadata, sources: submitted.extend(prompts),
-        should_stop=lambda: False,
-    )
+    context = rollout_context(config, adapter, seed=7, submit=lambda images, prompts, *_: submitted.extend(prompts))
     return get_rollout(config.sampler.rollout)(context).collect(epoch)
 
 
@@ -241,17 +231,10 @@ def test_the_stored_step_rescored_gives_ratio_1_and_the_loss_is_the_clipped_one_
 def test_a_flash_epoch_trains_through_the_trainer(tmp_path):
     """One epoch of tiny_sd3 with flash + iso_temporal: one term per sample, on-policy ratio 1 at the first update,
     the weights move, and the run logs the steps and weights."""
-    from flowgrpo.trainer import GRPOTrainer
-
-    trainer = GRPOTrainer(_config(tmp_path, "run.epochs=1", "eval.every=0", "checkpoint.every=0"))
-    before = [p.detach().clone() for p in trainer.params]
-    trainer.fit()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if "train/loss" in r)
+    trainer, row = train(_config(tmp_path, "run.epochs=1", "eval.every=0", "checkpoint.every=0"))  # weights move
     assert row["train/onpolicy_ratio_dev"] == 0.0 and row["global_step"] == 2  # 16 samples in micro-batches of 8
     assert row["window/start"] == pytest.approx(sum(STEPS_SEED0[0]) / 4) and row["window/size"] == 1
     assert row["train/trained_step"] == pytest.approx(row["window/start"]) and row["train/rectify_weight"] > 0
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
     assert yaml.safe_load((trainer.run_dir / "config.yaml").read_text())["grpo"]["flash"] == {"rectify": "schedule"}
 
 

@@ -11,11 +11,11 @@ see the same rows (every group has one image in the batch) the result is asserte
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
+from rollout_helper import forward_rows
 
 from flowgrpo.adapters import make_adapter
 from flowgrpo.config import ConfigError, PostWindowConfig, SamplerConfig, load_config, validate
@@ -63,22 +63,8 @@ def _sampler(adapter, **kwargs) -> SamplerConfig:
     return SamplerConfig(**{**base, **kwargs})
 
 
-@contextlib.contextmanager
-def _forward_rows(adapter):
-    """The rows of every transformer forward (CFG doubles an image's rows)."""
-    rows: list[int] = []
-    handle = adapter.transformer.register_forward_pre_hook(
-        lambda mod, args, kwargs: rows.append((kwargs.get("hidden_states", args[0] if args else None)).shape[0]),
-        with_kwargs=True,
-    )
-    try:
-        yield rows
-    finally:
-        handle.remove()
-
-
 def _run(adapter, sampler, window, prompts=PROMPTS, groups=GROUPS, seed=1, **kwargs):
-    with _forward_rows(adapter) as rows:
+    with forward_rows(adapter) as rows:
         traj = rollout(
             adapter,
             prompts,

@@ -9,16 +9,16 @@ Where they see the same rows, bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 from dataclasses import replace
 
 import pytest
+import rollout_helper as helper
 import torch
+from rollout_helper import SIZE, STEPS, STORED, TINY
 
 from flowgrpo.adapters import make_adapter
-from flowgrpo.config import ConfigError, SamplerConfig, load_config
+from flowgrpo.config import ConfigError, load_config
 from flowgrpo.objectives import MicroBatch
 from flowgrpo.objectives.clipped import grpo_loss
 from flowgrpo.objectives.tempflow import TempFlow, noise_aware_weights, schedule_stds
@@ -27,39 +27,17 @@ from flowgrpo.rollouts.branch import Branch, branch_points, branch_rollout, bran
 from flowgrpo.tiny import build_tiny_pipeline
 from samplers import pipeline_schedule
 
-SIZE, STEPS, CFG_SCALE = 32, 6, 4.5
 # Three groups of 3, 2 and 1 images, not sorted, branching at steps 1, 3 and 0.
 PROMPTS = ["a red cube", "a blue ball", "a red cube", "a green cone", "a blue ball", "a red cube"]
 GROUPS = [7, 2, 7, 5, 2, 7]
 POINTS = {7: 1, 2: 3, 5: 0}
 BRANCH = [POINTS[g] for g in GROUPS]
-STORED = ("latents", "next_latents", "log_probs", "stds", "sigmas", "sigmas_next", "step_indices", "final_latents")
-TINY = "configs/tiny_sd3.yaml"
 BRANCH_OVERRIDES = ["sampler.rollout=branch", "sampler.same_initial_noise=true", "grpo.objective=tempflow"]
 
 
 @pytest.fixture(scope="module")
 def adapter():
-    return make_adapter(build_tiny_pipeline("sd3", seed=0))
-
-
-def _sampler(**kwargs) -> SamplerConfig:
-    base = {"noise_level": 0.7, "num_steps": STEPS, "guidance_scale": CFG_SCALE, "same_initial_noise": True}
-    return SamplerConfig(**{**base, **kwargs})
-
-
-@contextlib.contextmanager
-def _forward_rows(adapter):
-    """The rows of every transformer forward (CFG doubles an image's rows)."""
-    rows: list[int] = []
-    handle = adapter.transformer.register_forward_pre_hook(
-        lambda mod, args, kwargs: rows.append(kwargs.get("hidden_states", args[0] if args else None).shape[0]),
-        with_kwargs=True,
-    )
-    try:
-        yield rows
-    finally:
-        handle.remove()
+    return helper.adapter()
 
 
 def _branch(adapter, sampler, prompts=PROMPTS, groups=GROUPS, points=BRANCH, seed=1, **kwargs):
@@ -73,21 +51,13 @@ def _members(groups=GROUPS):
 
 def test_noise_free_branch_rollout_is_the_ode_and_pipe(adapter):
     """With noise 0 the branch step is the Euler step: every image is the plain ODE sample, as pipe() draws it."""
-    sampler = _sampler(noise_level=0.0)
+    sampler = helper.sampler(noise_level=0.0)
     x = adapter.initial_noise(
         len(PROMPTS), SIZE, SIZE, group_ids=GROUPS, same_within_group=True, noise_seed=3, generator=None
     )
     got = _branch(adapter, sampler, initial_latents=x)
     ode = rollout(adapter, PROMPTS, GROUPS, sampler, range(0, 0), height=SIZE, width=SIZE, initial_latents=x)
-    expected = adapter.pipe(
-        prompt=PROMPTS,
-        latents=x.clone(),
-        num_inference_steps=STEPS,
-        guidance_scale=CFG_SCALE,
-        height=SIZE,
-        width=SIZE,
-        output_type="pt",
-    ).images
+    expected = helper.pipe_images(adapter, PROMPTS, x)
     torch.testing.assert_close(got.final_latents, ode.final_latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.images, expected, rtol=0, atol=1e-5)
     assert got.step_indices.flatten().tolist() == BRANCH
@@ -95,7 +65,7 @@ def test_noise_free_branch_rollout_is_the_ode_and_pipe(adapter):
 
 def test_one_group_is_the_chain_rollout_with_a_one_step_window_bit_for_bit(adapter):
     """A batch of one group at step k: the same forwards and noise draws as rollout(window=range(k, k + 1))."""
-    sampler, prompts, groups = _sampler(), ["a red cube"] * 4, [3] * 4
+    sampler, prompts, groups = helper.sampler(), ["a red cube"] * 4, [3] * 4
     for k in (0, 2, STEPS - 2):
         got = _branch(adapter, sampler, prompts, groups, [k] * 4)
         chain = rollout(
@@ -119,7 +89,7 @@ def test_video_and_editing_models_branch_too(kind):
     from PIL import Image
 
     other = make_adapter(build_tiny_pipeline(kind, seed=0))
-    sampler = _sampler(num_steps=4, guidance_scale=4.0)
+    sampler = helper.sampler(num_steps=4, guidance_scale=4.0)
     prompts, groups = ["a red cube", "a red cube", "a blue ball", "a blue ball"], [1, 1, 2, 2]
     sources = {"sources": [Image.new("RGB", (SIZE, SIZE), (200, 30, 30))] * 4} if kind == "flux-kontext" else {}
     got = _branch(other, sampler, prompts, groups, [2] * 4, **sources)
@@ -141,9 +111,9 @@ def test_video_and_editing_models_branch_too(kind):
 
 
 def test_a_group_shares_its_trunk_bit_for_bit_and_differs_after_its_branch_point(adapter):
-    sampler = _sampler()
+    sampler = helper.sampler()
     got = _branch(adapter, sampler)
-    noise_free = _branch(adapter, _sampler(noise_level=0.0))
+    noise_free = _branch(adapter, helper.sampler(noise_level=0.0))
     # The trunk is deterministic: the same latents entering the branch step whatever the noise level.
     assert torch.equal(got.latents, noise_free.latents)
     for g, rows in _members().items():
@@ -164,27 +134,27 @@ def test_the_trunk_runs_once_per_group_and_every_batch_costs_one_forward_per_ste
     """Step i runs ONE forward over the groups before their branch point (one row each) and the images at or after
     theirs. Groups 7 (3 images, k = 1), 2 (2 images, k = 3), 5 (1 image, k = 0), 6 steps:
     step 0: trunks 7, 2 + image of 5 = 3; steps 1, 2: trunk 2 + 4 images = 5; steps 3-5: 6 images."""
-    sampler = _sampler()
-    with _forward_rows(adapter) as rows:
+    sampler = helper.sampler()
+    with helper.forward_rows(adapter) as rows:
         _branch(adapter, sampler)
     assert rows == [2 * n for n in (3, 5, 5, 6, 6, 6)]
     per_image = rollout  # each image its own chain: 6 rows at every step
-    with _forward_rows(adapter) as rows_alone:
+    with helper.forward_rows(adapter) as rows_alone:
         per_image(adapter, PROMPTS, GROUPS, replace(sampler, shared_prefix=False), range(0, 1), height=SIZE, width=SIZE)
     assert rows_alone == [2 * 6] * STEPS
     # Whatever the branch points of a batch, STEPS forwards (the same collectives on every process).
     for points in ([0] * 6, [STEPS - 2] * 6, [2, 0, 2, 4, 0, 2]):
-        with _forward_rows(adapter) as rows:
+        with helper.forward_rows(adapter) as rows:
             _branch(adapter, sampler, points=points)
         assert len(rows) == STEPS
     # Without sharing (shared_prefix: false) every image runs its own trunk.
-    with _forward_rows(adapter) as rows:
+    with helper.forward_rows(adapter) as rows:
         _branch(adapter, replace(sampler, shared_prefix=False))
     assert rows == [2 * 6] * STEPS
 
 
 def test_rescoring_the_branch_step_gives_ratio_exactly_one(adapter):
-    sampler = _sampler()
+    sampler = helper.sampler()
     same_point = _branch(adapter, sampler, points=[2] * 6)  # every group at step 2: the same rows as the rollout
     mixed = _branch(adapter, sampler)
     for traj, exact in ((same_point, True), (mixed, False)):
@@ -203,7 +173,7 @@ def test_noise_aware_weights_match_a_hand_computed_case_and_the_references_const
     # Schedule 1, .75, .5, .25, 0 at a = 0.7: s_j = 0.7·sqrt(t/(1-t))·sqrt(0.25), t = 1 read as t1 = .75.
     sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
     hand = torch.tensor([0.7 * 2 * 0.5, 0.7 * math.sqrt(3) * 0.5, 0.7 * 1 * 0.5])
-    stds = schedule_stds(_sampler(num_steps=4), sigmas)
+    stds = schedule_stds(helper.sampler(num_steps=4), sigmas)
     torch.testing.assert_close(stds, hand)
     c = 3 / (0.7 + 0.7 * math.sqrt(3) * 0.5 + 0.35)
     trained = torch.tensor([0.35, 0.7, 0.5])
@@ -220,8 +190,8 @@ def test_noise_aware_weights_match_a_hand_computed_case_and_the_references_const
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, max_image_seq_len=4096
     )
     flux, _ = pipeline_schedule(flux_scheduler, 10, family="flux", image_seq_len=(1024 // 16) ** 2)
-    assert round(1 / schedule_stds(_sampler(num_steps=10), sd3).mean().item(), 2) == 2.25
-    assert round(1 / schedule_stds(_sampler(num_steps=10, noise_level=0.9), flux).mean().item(), 2) == 1.73
+    assert round(1 / schedule_stds(helper.sampler(num_steps=10), sd3).mean().item(), 2) == 2.25
+    assert round(1 / schedule_stds(helper.sampler(num_steps=10, noise_level=0.9), flux).mean().item(), 2) == 1.73
 
 
 def test_the_tempflow_loss_weights_each_samples_policy_term(adapter):
@@ -295,10 +265,6 @@ def test_the_schedule_of_branch_points_is_a_function_of_seed_and_group():
 
 
 def test_an_epoch_of_the_strategy_sweeps_the_points_and_keeps_groups_whole(adapter):
-    from flowgrpo.data import PromptDataset
-    from flowgrpo.objectives import get_objective
-    from flowgrpo.rollouts import RolloutContext
-
     config = load_config(
         TINY,
         [
@@ -311,17 +277,7 @@ def test_an_epoch_of_the_strategy_sweeps_the_points_and_keeps_groups_whole(adapt
         ],
     )
     submitted = []
-    context = RolloutContext(
-        config,
-        adapter,
-        PromptDataset.from_file(config.data.train),
-        get_objective("tempflow")(config),
-        torch.Generator().manual_seed(0),
-        0,
-        1,
-        submit=lambda images, prompts, metadata, sources: submitted.append(len(images)),
-        should_stop=lambda: False,
-    )
+    context = helper.rollout_context(config, adapter, submit=lambda images, *_: submitted.append(len(images)))
     collected = Branch(context).collect(epoch=1)
     traj = collected.trajectory
     assert submitted == [4, 4, 4] and len(traj) == 12
@@ -356,26 +312,18 @@ def test_bad_settings_are_refused_naming_the_key_and_the_fix(overrides, match):
 
 
 def test_objectives_that_train_final_samples_are_refused_by_the_rollout_itself():
-    config = load_config(TINY, BRANCH_OVERRIDES)
-    config.grpo.objective = "awm"  # past awm's own checks (noise level, same initial noise): the rollout's
-    with pytest.raises(ConfigError, match="grpo.objective=awm trains the final samples of ODE rollouts"):
-        Branch.validate(config)
+    helper.check_refuses_awm(Branch, BRANCH_OVERRIDES, "grpo.objective=awm trains the final samples of ODE rollouts")
 
 
 def test_refused_before_the_run_directory_exists_and_one_tiny_epoch_trains(tmp_path):
     from flowgrpo.trainer import GRPOTrainer
 
-    overrides = [*BRANCH_OVERRIDES, f"run.output_dir={tmp_path}", "run.epochs=1", "eval.every=0", "run.progress=false"]
+    overrides = helper.one_epoch(tmp_path, *BRANCH_OVERRIDES)
     config = load_config(TINY, overrides)
     config.sampler.same_initial_noise = False  # built in code: the trainer's validation catches it
     with pytest.raises(ConfigError, match="same_initial_noise"):
         GRPOTrainer(config)
     assert not any(tmp_path.iterdir())
-    trainer = GRPOTrainer(load_config(TINY, overrides))
-    before = [p.detach().clone() for p in trainer.params]
-    trainer.fit()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if "train/loss" in r)
+    _, row = helper.train(load_config(TINY, overrides))  # the weights move
     assert row["train/onpolicy_ratio_dev"] < 1e-5 and row["train/noise_weight"] > 0
     assert 0 <= row["branch/step_min"] <= row["branch/step_mean"] <= row["branch/step_max"] <= 4
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))

@@ -9,20 +9,22 @@ A rollout strategy is a class registered by name::
 ``collect`` samples this process's share of the epoch, hands every batch of images to ``context.submit`` as soon as
 it exists (rewards are scored in the background while the next batch samples) and returns the epoch's
 :class:`~flowgrpo.rollout.Trajectory` with metrics about how it was produced; or None when ``context.should_stop()``
-said so between batches (every process must see the same number of batches). The built-in strategies are listed
-in :mod:`flowgrpo.rollouts`; offline sources of stored samples would plug in here too. A strategy with settings sets
-``config_class`` (its section ``sampler.<name>.*``); what its estimator needs beyond the rewards travels in
-``Trajectory.extras``.
+said so between batches (every process must see the same number of batches). :meth:`RolloutStrategy.sample_batches`
+runs that loop; ``batch_inputs``, ``sampling_options`` and ``submit`` do a batch's common parts. The built-in
+strategies are listed in :mod:`flowgrpo.rollouts`; offline sources of stored samples would plug in here too. A
+strategy with settings sets ``config_class`` (its section ``sampler.<name>.*``); what its estimator needs beyond the
+rewards travels in ``Trajectory.extras``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ..checks import one_of
 from ..data import epoch_plan, rank_slice
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from ..data import EpochSample, PromptDataset
     from ..objectives import Objective
     from ..rollout import Trajectory
+
+Item = TypeVar("Item")  # what a strategy cuts into rollout batches: its slots, or slots with what it planned for each
 
 
 @dataclass
@@ -85,6 +89,51 @@ class RolloutStrategy:
 
     def collect(self, epoch: int) -> Collected | None:
         raise NotImplementedError
+
+    def sample_batches(
+        self, items: Sequence[Item], epoch: int, sample: Callable[[int, list[Item]], list[Trajectory]]
+    ) -> list[Trajectory] | None:
+        """The epoch's loop: ``items`` (this process's share, in sampling order) cut into rollout batches of
+        ``sampler.batch_size``, and ``sample(index, batch)`` on each in turn (a progress bar over them), which samples
+        the batch, hands each part to :meth:`submit` as soon as it exists and returns the parts. All the parts in
+        order; None when ``context.should_stop()`` said so after a batch (every process has the same number of
+        batches: validated)."""
+        ctx = self.context
+        size = ctx.config.sampler.batch_size
+        batches = [list(items[i : i + size]) for i in range(0, len(items), size)]
+        parts: list[Trajectory] = []
+        for index, batch in enumerate(tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress)):
+            parts.extend(sample(index, batch))
+            if ctx.should_stop():
+                return None
+        return parts
+
+    def batch_inputs(self, slots: Sequence[EpochSample]) -> tuple[list[str], list[dict[str, Any]], list[Any] | None]:
+        """The prompts of ``slots``, copies of their metadata, and their source images (image editing, else None)."""
+        data = self.context.data
+        indices = [s.prompt_index for s in slots]
+        return [data.prompts[i] for i in indices], [dict(data.metadata[i]) for i in indices], data.sources_of(indices)
+
+    def sampling_options(self, metadata: list[dict[str, Any]], sources: list[Any] | None) -> dict[str, Any]:
+        """The keyword arguments every rollout function takes from the run's settings (the model's resolution,
+        ``grpo.log_prob_reduce``, ``run.seed`` for the noise) and from the batch (its metadata and source images)."""
+        cfg = self.context.config
+        return {
+            "height": cfg.model.resolution,
+            "width": cfg.model.resolution,
+            "log_prob_reduce": cfg.grpo.log_prob_reduce,
+            "noise_seed": cfg.run.seed,
+            "metadata": metadata,
+            "sources": sources,
+        }
+
+    def submit(self, trajectory: Trajectory) -> Trajectory:
+        """Hand a sampled batch's images to the reward, scored in the background while the next batch samples (editing
+        rewards also see each sample's source image); then keep them on the CPU, for image grids only (frees the
+        device memory)."""
+        self.context.submit(trajectory.images, trajectory.prompts, trajectory.metadata, trajectory.source_images)
+        trajectory.images = trajectory.images.cpu()
+        return trajectory
 
 
 ROLLOUTS: dict[str, type[RolloutStrategy]] = {}

@@ -53,19 +53,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from samplers import get_sde_step, ode_step
 from samplers.merge import merged_sde_step
 
 from ..checks import ConfigError, one_of
 from ..objectives import get_objective
-from ..rollout import Trajectory, _initial_latents, _prefix_rows, _step_kwargs, _velocity_fn
+from ..rollout import Trajectory, _embeds_and_noise, _final_fields, _prefix_rows, _step_kwargs, _velocity_fn
 from .base import Collected, RolloutStrategy, register_rollout
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
     from ..config import Config, SamplerConfig
+    from ..data import EpochSample
     from .base import RolloutContext
 
 SCHEDULES = ("sweep", "random")
@@ -148,10 +148,9 @@ def branch_rollout(
         )
     get_sde_step(sampler.kind, sampler.log_prob)  # an unknown kind is refused before any network call
     gs = sampler.guidance_scale
-    embeds = adapter.encode_conditions(
-        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    embeds, x = _embeds_and_noise(
+        adapter, sampler, prompts, group_ids, initial_latents, generator, height, width, noise_seed, sources
     )
-    x = _initial_latents(adapter, sampler, group_ids, initial_latents, generator, height, width, noise_seed)
     rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None) if sampler.shared_prefix else None
     unique, fan_out = rows if rows is not None else (torch.arange(n), torch.arange(n))
     if not torch.equal(ks[unique][fan_out], ks) or not torch.equal(spans[unique][fan_out], spans):
@@ -221,11 +220,7 @@ def branch_rollout(
         step_indices=column(ks),
         t_second=t_second,
         guidance_scale=gs,
-        height=height,
-        width=width,
-        final_latents=latents,
-        images=adapter.decode(latents, height, width) if decode else None,
-        metadata=list(metadata) if metadata is not None else [],
+        **_final_fields(adapter, latents, height, width, decode, metadata),
     )
 
 
@@ -316,12 +311,10 @@ class Branch(RolloutStrategy):
         slots = sorted(slots, key=lambda s: s.group_id)  # a group's images side by side: one trunk per batch
         points, spans = self.plan([s.group_id for s in slots])
         size = cfg.sampler.batch_size
-        parts: list[Trajectory] = []
-        starts = range(0, len(slots), size)
-        for start in tqdm(starts, desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress):
-            batch = slots[start : start + size]
-            prompts = [ctx.data.prompts[s.prompt_index] for s in batch]
-            metadata = [dict(ctx.data.metadata[s.prompt_index]) for s in batch]
+
+        def sample(index: int, batch: list[EpochSample]) -> list[Trajectory]:
+            prompts, metadata, sources = self.batch_inputs(batch)
+            start = index * size
             trajectory = branch_rollout(
                 ctx.adapter,
                 prompts,
@@ -329,17 +322,10 @@ class Branch(RolloutStrategy):
                 points[start : start + size],
                 cfg.sampler,
                 ctx.generator,
-                height=cfg.model.resolution,
-                width=cfg.model.resolution,
-                log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata,
-                noise_seed=cfg.run.seed,
-                sources=ctx.data.sources_of([s.prompt_index for s in batch]),
                 spans=None if spans is None else spans[start : start + size],
+                **self.sampling_options(metadata, sources),
             )
-            ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
-            trajectory.images = trajectory.images.cpu()  # kept for image grids only
-            parts.append(trajectory)
-            if ctx.should_stop():  # every process has the same number of batches (validated)
-                return None
-        return Collected(Trajectory.cat(parts), self.metrics(points, spans))
+            return [self.submit(trajectory)]
+
+        parts = self.sample_batches(slots, epoch, sample)
+        return None if parts is None else Collected(Trajectory.cat(parts), self.metrics(points, spans))

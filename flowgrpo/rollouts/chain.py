@@ -8,9 +8,8 @@ train the final samples only (``rollout = "ode"``) get no window: every step is 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
-
-from tqdm.auto import tqdm
 
 from samplers import NoWindow, SlidingWindow
 
@@ -19,6 +18,7 @@ from .base import Collected, RolloutStrategy, register_rollout
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..data import EpochSample
     from .base import RolloutContext
 
 
@@ -54,28 +54,24 @@ class Chain(RolloutStrategy):
         ctx, cfg = self.context, self.context.config
         window = self.window.steps(epoch)
         slots = ctx.epoch_slots(epoch)
-        size = cfg.sampler.batch_size
-        batches = [slots[i : i + size] for i in range(0, len(slots), size)]
-        parts: list[Trajectory] = []
+        num_batches = math.ceil(len(slots) / cfg.sampler.batch_size)
         starts: list[int] = []  # each batch's window start, for the metrics
-        for index, batch in enumerate(tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress)):
-            prompts = [ctx.data.prompts[s.prompt_index] for s in batch]
-            metadata = [dict(ctx.data.metadata[s.prompt_index]) for s in batch]
-            sources = ctx.data.sources_of([s.prompt_index for s in batch])  # image editing, else None
+
+        def sample(index: int, batch: list[EpochSample]) -> list[Trajectory]:
+            prompts, metadata, sources = self.batch_inputs(batch)
             # Flow-GRPO-Fast: a new random window for every batch, a function of (seed, epoch, global batch index).
             batch_window = (
-                self.window.steps(epoch, batch=ctx.rank * len(batches) + index)
+                self.window.steps(epoch, batch=ctx.rank * num_batches + index)
                 if cfg.sampler.window.per_batch
                 else window
             )
             starts.append(batch_window.start if batch_window else -1)
             trajectory = self.sample_batch(prompts, [s.group_id for s in batch], metadata, sources, batch_window)
-            # scored while the next batch samples; editing rewards also see each sample's source image
-            ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
-            trajectory.images = trajectory.images.cpu()  # kept for image grids only: free the device memory
-            parts.append(trajectory)
-            if ctx.should_stop():  # every process has the same number of batches (validated)
-                return None
+            return [self.submit(trajectory)]  # scored while the next batch samples
+
+        parts = self.sample_batches(slots, epoch, sample)
+        if parts is None:
+            return None
         start = sum(starts) / len(starts) if cfg.sampler.window.per_batch else starts[0]  # mean of the batches'
         return Collected(Trajectory.cat(parts), {"window/start": start, "window/size": len(window)})
 
@@ -99,11 +95,6 @@ class Chain(RolloutStrategy):
             cfg.sampler,
             window,
             self.context.generator,
-            height=cfg.model.resolution,
-            width=cfg.model.resolution,
-            log_prob_reduce=cfg.grpo.log_prob_reduce,
-            metadata=metadata,
-            noise_seed=cfg.run.seed,
-            sources=sources,
             observe=observe,
+            **self.sampling_options(metadata, sources),
         )

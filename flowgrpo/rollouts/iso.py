@@ -41,14 +41,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from samplers import SlidingWindow
 
 from ..checks import ConfigError
-from ..rollout import Trajectory, rollout
-from .base import Collected, RolloutStrategy, register_rollout
-from .chain import make_window
+from ..rollout import Trajectory
+from .base import Collected, register_rollout
+from .chain import Chain
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -96,14 +95,13 @@ def split_by_window(slots: list[EpochSample], windows: dict[int, range]) -> list
 
 
 @register_rollout("iso_temporal")
-class IsoTemporal(RolloutStrategy):
-    """One SDE window per group, drawn per group (Flash-GRPO's iso-temporal grouping); ODE elsewhere."""
+class IsoTemporal(Chain):
+    """One SDE window per group, drawn per group (Flash-GRPO's iso-temporal grouping); ODE elsewhere. Each part of a
+    rollout batch that shares a window is sampled as the chain rollout samples a batch (:meth:`Chain.sample_batch`)."""
 
     def __init__(self, context: RolloutContext) -> None:
         super().__init__(context)
-        window = make_window(context.config)
-        assert isinstance(window, SlidingWindow)  # validate() refused objectives that store nothing
-        self.window = window
+        assert isinstance(self.window, SlidingWindow)  # validate() refused objectives that store nothing
 
     @classmethod
     def validate(cls, config: Config) -> None:
@@ -145,14 +143,13 @@ class IsoTemporal(RolloutStrategy):
         group_ids = [s.group_id for s in slots]
         windows = group_windows(self.window, cfg.run.seed, epoch, group_ids, cfg.grpo.groups_per_epoch)
         slots = sorted(slots, key=lambda slot: windows[slot.group_id].start)  # stable: same-step groups together
-        size = cfg.sampler.batch_size
-        batches = [slots[i : i + size] for i in range(0, len(slots), size)]
-        parts: list[Trajectory] = []
-        for batch in tqdm(batches, desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress):
-            for window, members in split_by_window(batch, windows):
-                parts.append(self._sample(members, window))
-            if ctx.should_stop():  # once per batch: every process has as many batches (validated)
-                return None
+
+        def sample(index: int, batch: list[EpochSample]) -> list[Trajectory]:
+            return [self._sample(members, window) for window, members in split_by_window(batch, windows)]
+
+        parts = self.sample_batches(slots, epoch, sample)  # should_stop once per batch, not per part
+        if parts is None:
+            return None
         trajectory = Trajectory.cat(parts)
         starts = trajectory.step_indices[:, 0].float()
         metrics = {
@@ -165,24 +162,5 @@ class IsoTemporal(RolloutStrategy):
 
     def _sample(self, slots: list[EpochSample], window: range) -> Trajectory:
         """Sample ``slots`` (groups that share ``window``) and hand the images to the reward scorer."""
-        ctx, cfg = self.context, self.context.config
-        prompts = [ctx.data.prompts[s.prompt_index] for s in slots]
-        metadata = [dict(ctx.data.metadata[s.prompt_index]) for s in slots]
-        sources = ctx.data.sources_of([s.prompt_index for s in slots])  # image editing, else None
-        trajectory = rollout(
-            ctx.adapter,
-            prompts,
-            torch.tensor([s.group_id for s in slots]),
-            cfg.sampler,
-            window,
-            ctx.generator,
-            height=cfg.model.resolution,
-            width=cfg.model.resolution,
-            log_prob_reduce=cfg.grpo.log_prob_reduce,
-            metadata=metadata,
-            noise_seed=cfg.run.seed,
-            sources=sources,
-        )
-        ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
-        trajectory.images = trajectory.images.cpu()  # kept for image grids only: free the device memory
-        return trajectory
+        prompts, metadata, sources = self.batch_inputs(slots)
+        return self.submit(self.sample_batch(prompts, [s.group_id for s in slots], metadata, sources, window))

@@ -81,14 +81,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from samplers import get_sde_step, ode_step, sde_step
 
 from ..checks import ConfigError
 from ..data import EpochSample, epoch_plan, rank_slice
 from ..objectives import get_objective
-from ..rollout import Trajectory, _initial_latents, _step_kwargs, _velocity_fn
+from ..rollout import Trajectory, _embeds_and_noise, _final_fields, _step_kwargs, _velocity_fn
 from .base import Collected, RolloutStrategy, register_rollout
 from .chain import make_window
 
@@ -282,10 +281,9 @@ def tree_rollout(
         raise ValueError(f"split {shape.splits} and stored {sorted(stored_set)} steps must be SDE steps {sorted(sde)}")
     get_sde_step(sampler.kind, sampler.log_prob)  # an unknown kind is refused before any network call
     gs = sampler.guidance_scale
-    embeds = adapter.encode_conditions(
-        prompts, with_negative=adapter.needs_negative(gs), sources=sources, height=height, width=width
+    embeds, x = _embeds_and_noise(
+        adapter, sampler, prompts, group_ids, initial_latents, None, height, width, noise_seed, sources
     )
-    x = _initial_latents(adapter, sampler, group_ids, initial_latents, None, height, width, noise_seed)
     for g, r0 in first_row.items():
         rows = (group_ids == g).nonzero().flatten()
         if not all(torch.equal(x[r], x[r0]) for r in rows.tolist()):
@@ -387,11 +385,7 @@ def tree_rollout(
         step_indices=step_indices,
         t_second=t_second,
         guidance_scale=gs,
-        height=height,
-        width=width,
-        final_latents=final,
-        images=adapter.decode(final, height, width) if decode else None,
-        metadata=list(metadata) if metadata is not None else [],
+        **_final_fields(adapter, final, height, width, decode, metadata),
         extras={
             "tree_leaf": leaves.clone(),
             "tree_node": nodes,
@@ -549,13 +543,9 @@ class Tree(RolloutStrategy):
     def collect(self, epoch: int) -> Collected | None:
         ctx, cfg = self.context, self.context.config
         sde, stored = stored_steps_at(cfg, epoch)
-        pairs = self.slots(epoch)
-        size = cfg.sampler.batch_size
-        parts: list[Trajectory] = []
-        for start in tqdm(range(0, len(pairs), size), desc=f"sampling e{epoch}", leave=False, disable=not ctx.progress):
-            batch = pairs[start : start + size]
-            prompts = [ctx.data.prompts[s.prompt_index] for s, _ in batch]
-            metadata = [dict(ctx.data.metadata[s.prompt_index]) for s, _ in batch]
+
+        def sample(index: int, batch: list[tuple[EpochSample, int]]) -> list[Trajectory]:
+            prompts, metadata, sources = self.batch_inputs([s for s, _ in batch])
             trajectory = tree_rollout(
                 ctx.adapter,
                 prompts,
@@ -565,19 +555,14 @@ class Tree(RolloutStrategy):
                 self.shape,
                 sde=sde,
                 stored=stored,
-                height=cfg.model.resolution,
-                width=cfg.model.resolution,
                 split_noise_scale=cfg.sampler.tree.split_noise_scale,
-                log_prob_reduce=cfg.grpo.log_prob_reduce,
-                metadata=metadata,
-                noise_seed=cfg.run.seed,
-                sources=ctx.data.sources_of([s.prompt_index for s, _ in batch]),
+                **self.sampling_options(metadata, sources),
             )
-            ctx.submit(trajectory.images, prompts, metadata, trajectory.source_images)
-            trajectory.images = trajectory.images.cpu()  # kept for image grids only
-            parts.append(trajectory)
-            if ctx.should_stop():  # every process has the same number of batches (validated)
-                return None
+            return [self.submit(trajectory)]
+
+        parts = self.sample_batches(self.slots(epoch), epoch, sample)
+        if parts is None:
+            return None
         trained = self.shape.edges(stored)
         metrics = {
             "tree/edges_trained": float(trained),
