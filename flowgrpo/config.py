@@ -307,7 +307,7 @@ class Config:
         """``data`` (a ``to_dict()``) with every registered plugin's section added at its defaults, as older runs
         saved them."""
         out = copy.deepcopy(data)
-        for cls, path in ((GRPOConfig, "grpo"), (SamplerConfig, "sampler"), (AdvantageConfig, "grpo.advantage")):
+        for cls, (_, _, path, _) in _PLUGIN_CHOICE.items():
             node = _node(out, path)
             for name, section in _plugin_sections(cls).items():
                 node.setdefault(name, dataclasses.asdict(section()))
@@ -414,7 +414,14 @@ def _add_plugin_sections(owner: Any) -> None:
 
 
 def _plugin_owners(config: Config) -> list[tuple[Any, str]]:
-    return [(config.grpo, "grpo"), (config.sampler, "sampler"), (config.grpo.advantage, "grpo.advantage")]
+    """``(section object, its path)`` of every config class that chooses among plugins (paths from _PLUGIN_CHOICE)."""
+    owners = []
+    for _, _, path, _ in _PLUGIN_CHOICE.values():
+        owner: Any = config
+        for key in path.split("."):
+            owner = getattr(owner, key)
+        owners.append((owner, path))
+    return owners
 
 
 def _node(data: dict[str, Any], path: str) -> dict[str, Any]:
