@@ -21,6 +21,8 @@ the buffers are
 
     device (the accelerator; RAM on a CPU run)
         stored trajectory   N · (2S + 1) · L · b   latents before and after each stored step, final latents
+        sampling means      N · S · L · 4          each stored step's mean, float32, for an objective that asks for
+                                                   them (``Objective.needs_sampling_means``: GRPO-Guard)
         rollout batch       3 · B · L · b          the chain's state, its velocity and the next state (5 · B · L · b
                                                    under ``branch`` / ``entropy_merge``: trunks, branched images,
                                                    before/after a step)
@@ -122,9 +124,15 @@ def stored_steps(config: Config, stores_transitions: bool) -> int:
 
 
 def estimate(
-    config: Config, shape: Geometry, *, world_size: int = 1, stores_transitions: bool = True
+    config: Config,
+    shape: Geometry,
+    *,
+    world_size: int = 1,
+    stores_transitions: bool = True,
+    stores_means: bool = False,
 ) -> MemoryEstimate:
-    """The buffers of the module docstring for ``config`` and a sample of ``shape``, per process."""
+    """The buffers of the module docstring for ``config`` and a sample of ``shape``, per process (``stores_means``:
+    the rollout also keeps each stored step's sampling mean)."""
     g = config.grpo
     n = math.ceil(g.group_size * g.groups_per_epoch / max(world_size, 1))
     steps = stored_steps(config, stores_transitions)
@@ -135,6 +143,8 @@ def estimate(
         "rollout batch": (5 if config.sampler.rollout in (*BRANCHED, "tree") else 3) * batch * latent * b,
         "decoded batch": batch * shape.pixels * FLOAT32,
     }
+    if stores_means and steps:
+        device["sampling means"] = n * steps * latent * FLOAT32
     dense = getattr(config.sampler, "dense", None)  # sampler.rollout: dense's section
     if config.sampler.rollout == "dense" and dense is not None and dense.value == "x0" and steps:
         device["stage predictions"] = (steps + 1) * batch * latent * b
@@ -183,6 +193,7 @@ def check_memory(
     *,
     world_size: int = 1,
     stores_transitions: bool = True,
+    stores_means: bool = False,
     available: tuple[int | None, int | None] | None = None,
 ) -> MemoryEstimate:
     """Refuse a config whose latents and rollout buffers cannot fit (module docstring): a :class:`ConfigError`
@@ -191,7 +202,9 @@ def check_memory(
     Returns the estimate."""
     resolution = config.model.resolution
     shape = geometry(adapter, resolution)
-    found = estimate(config, shape, world_size=world_size, stores_transitions=stores_transitions)
+    found = estimate(
+        config, shape, world_size=world_size, stores_transitions=stores_transitions, stores_means=stores_means
+    )
     device = torch.device(adapter.device)
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)  # processes sharing this machine's RAM
     if available is None:

@@ -49,6 +49,9 @@ class Trajectory:
     stds:                   [B, W]           the transitions' std
     sigmas / sigmas_next:   [B, W]           t and t_next of each window step
     step_indices:           [B, W] long      the window's step indices in the (uncompressed) schedule
+    means:                  [B, W, *latent]  float32 mean of each transition under the sampling weights, kept only
+                                             when the objective asks (``Objective.needs_sampling_means``: GRPO-Guard's
+                                             μ_old), else None
     images:                 [B, 3, H, W] in [0, 1], video models [B, F, 3, H, W] (None when not decoded);
                             final_latents [B, *latent] (video: the latents' frame axis is part of *latent)
 
@@ -72,6 +75,7 @@ class Trajectory:
     width: int
     final_latents: Tensor
     images: Tensor | None = None
+    means: Tensor | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
     # Per-sample tensors a rollout strategy adds for its advantage estimator (first dim B; e.g. rewards of each
     # step's one-step prediction, a sample's node in a tree); the trainer gathers them into AdvantageInputs.extras.
@@ -138,6 +142,7 @@ _PER_SAMPLE = (
     "step_indices",
     "final_latents",
     "images",
+    "means",
 )
 
 
@@ -249,6 +254,7 @@ def rollout(
     progress: bool = False,
     sources: Sequence[Any] | None = None,
     observe: StepObserver | None = None,
+    store_means: bool = False,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE
     (the steps after the window: ``sampler.post_window.solver``; the final step: the SDE too, unstored, when
@@ -258,7 +264,8 @@ def rollout(
     each prompt's source image (a file path or PIL image), encoded once and carried in the trajectory's embeddings.
     ``observe(i, x, t, v)`` (dense rewards) is called at every window and post-window step ``i`` of the plan's
     schedule before the step is taken, with every image's latents, the step's sigma and the velocity the step
-    uses (the forward the rollout makes anyway); it must not modify them. The parts of the schedule:
+    uses (the forward the rollout makes anyway); it must not modify them. ``store_means``: keep each window step's
+    mean in ``Trajectory.means`` (float32, as the step computes it; otherwise None). The parts of the schedule:
     :class:`RolloutPlan`."""
     prompts = list(prompts)
     if not prompts:
@@ -280,14 +287,16 @@ def rollout(
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
         at = _observed(plan, velocity_fn, observe)
-        x, history, stored = _window(plan, at, sde, x, history, bar)  # SDE, stored
+        x, history, stored = _window(plan, at, sde, x, history, bar, store_means)  # SDE, stored
         x = _tail(plan, at, sde, x, history, bar)  # the post-window solver; the final SDE step
 
-    before, after, log_probs, stds = stored
+    before, after, log_probs, stds, means = stored
     window_idx = list(plan.window)
     n = len(prompts)
     latent_shape = tuple(x.shape[1:])
-    stack = lambda items: torch.stack(items, dim=1) if items else x.new_zeros((n, 0, *latent_shape))  # noqa: E731
+    stack = lambda items, dtype=x.dtype: (  # noqa: E731
+        torch.stack(items, dim=1) if items else x.new_zeros((n, 0, *latent_shape), dtype=dtype)
+    )
     per_sample = lambda values: values.unsqueeze(0).repeat(n, 1)  # noqa: E731  [W] -> [B, W]
     return Trajectory(
         prompts=prompts,
@@ -302,6 +311,7 @@ def rollout(
         step_indices=per_sample(torch.tensor(window_idx, dtype=torch.long)),
         t_second=plan.t_second,
         guidance_scale=gs,
+        means=stack(means, torch.float32) if store_means else None,
         **_final_fields(adapter, x, height, width, decode, metadata),
     )
 
@@ -406,11 +416,18 @@ def _observed(plan: RolloutPlan, velocity_fn: VelocityFn, observe: StepObserver 
 
 
 def _window(
-    plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm
-) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
+    plan: RolloutPlan,
+    at: StepVelocity,
+    sde: StepFn,
+    x: Tensor,
+    history: SolverHistory,
+    bar: tqdm,
+    store_means: bool = False,
+) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
     """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
-    stds)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``)."""
-    before, after, log_probs, stds = [], [], [], []
+    stds, means)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``; means:
+    float32 ``[B, *latent]``, only with ``store_means``, else no entry)."""
+    before, after, log_probs, stds, means = [], [], [], [], []
     for i in plan.window:
         t, t_next, v = at(x, i)
         history = _record(plan, x, t, v, history)
@@ -420,9 +437,11 @@ def _window(
         log_probs.append(step.log_prob)
         std = step.std.float()
         stds.append(std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(x)))
+        if store_means:
+            means.append(step.mean.float())
         x = step.sample
         bar.update()
-    return x, history, (before, after, log_probs, stds)
+    return x, history, (before, after, log_probs, stds, means)
 
 
 def _tail(plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm) -> Tensor:
@@ -493,9 +512,20 @@ def evaluate_transitions(
 
 def stored_log_probs(trajectory: Trajectory, step: int | Tensor) -> Tensor:
     """The rollout's log-probs ``[B]`` at window position ``step`` (int or per-sample ``[B]``)."""
+    return _at_step(trajectory.log_probs, step)
+
+
+def stored_means(trajectory: Trajectory, step: int | Tensor) -> Tensor | None:
+    """The transitions' means under the sampling weights ``[B, *latent]`` (float32) at window position ``step`` (int
+    or per-sample ``[B]``); None when the rollout kept none (``Trajectory.means``)."""
+    return None if trajectory.means is None else _at_step(trajectory.means, step)
+
+
+def _at_step(values: Tensor, step: int | Tensor) -> Tensor:
+    """``values[i, step]`` (a shared int) or ``values[i, step[i]]`` of a per-step field ``[B, W, ...]``."""
     if isinstance(step, int):
-        return trajectory.log_probs[:, step]
-    return trajectory.log_probs[torch.arange(len(trajectory)), step.to(trajectory.log_probs.device)]
+        return values[:, step]
+    return values[torch.arange(len(values), device=values.device), step.to(values.device)]
 
 
 def _stored(trajectory: Trajectory, step: int | Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

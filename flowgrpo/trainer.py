@@ -117,7 +117,8 @@ class GRPOTrainer:
         check_editing(datasets, adapter=self.adapter)  # source images need an editing model
         # Latents and rollout buffers that cannot fit are refused now, not by a failed allocation in the first epoch.
         stores = self.objective.rollout == "sde_window"
-        check_memory(config, self.adapter, world_size=acc.num_processes, stores_transitions=stores)
+        means = stores and self.objective.needs_sampling_means  # GRPO-Guard's μ_old, kept by the rollout
+        check_memory(config, self.adapter, world_size=acc.num_processes, stores_transitions=stores, stores_means=means)
         framed = [e.key for e in self.reward.entries if isinstance(e.reward, FrameReward)]
         if framed and self.adapter.family not in VIDEO_KINDS:  # else refused only at the first score, after sampling
             raise ConfigError(

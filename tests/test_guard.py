@@ -1,14 +1,17 @@
 """GRPO-Guard (grpo.objective: guard): RatioNorm against its formula on a hand-computed Gaussian step and its
 properties, the 1/Δt step weights on a hand-made schedule, the on-policy ratio and gradient on a tiny pipeline, the
-off-policy ratio against the epoch's starting means, the clipped objective reproduced bit for bit without the two
-corrections, the config checks, and a trainer epoch."""
+off-policy ratio against the epoch's starting means (the fallback without stored means), the sampling means every
+rollout strategy keeps for it and the loss they give (the fallback's, with one forward per term), the clipped
+objective reproduced bit for bit without the two corrections, the config checks, and a trainer epoch."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import rollout_helper as helper
 import torch
 
 from flowgrpo.adapters import make_adapter
@@ -22,7 +25,7 @@ from flowgrpo.objectives.guard import (
     ratio_norm_log_ratio,
     step_weights,
 )
-from flowgrpo.rollout import evaluate_transitions, rollout, stored_log_probs
+from flowgrpo.rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs, stored_means
 from flowgrpo.tiny import build_tiny_pipeline
 from flowgrpo.trainer import GRPOTrainer
 from samplers import gaussian_log_prob
@@ -31,6 +34,7 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_sd3.yaml"
 PROMPTS = ["a red cube", "a red cube", "a blue ball", "a blue ball"]
 ADVANTAGES = torch.tensor([1.5, -0.5, 0.25, -1.25])
 GUARD = ["run.progress=false", "grpo.objective=guard", "sampler.num_steps=4", "grpo.clip_range=0.2"]
+MEANS = {"store_means": True}
 
 
 def _config(*overrides):
@@ -38,16 +42,16 @@ def _config(*overrides):
 
 
 def _setup(cfg):
-    """A tiny SD3 pipeline with a LoRA whose B is non-zero, and a rollout of 4 images with SDE steps 0..2."""
+    """A tiny SD3 pipeline with a LoRA whose B is non-zero, and a rollout of 4 images with SDE steps 0..2 (their
+    sampling means kept, as a rollout strategy keeps them for guard)."""
     adapter = make_adapter(build_tiny_pipeline("sd3", seed=0))
     adapter.add_lora(4, 8, "default", "gaussian", 0.0)
     with torch.no_grad():
         for name, p in adapter.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-    traj = rollout(
-        adapter, PROMPTS, [0, 0, 1, 1], cfg.sampler, range(0, 3), torch.Generator().manual_seed(1), height=32, width=32
-    )
+    generator = torch.Generator().manual_seed(1)
+    traj = rollout(adapter, PROMPTS, [0, 0, 1, 1], cfg.sampler, range(0, 3), generator, height=32, width=32, **MEANS)
     return adapter, traj
 
 
@@ -136,15 +140,19 @@ def tiny():
 
 
 def test_on_policy_the_ratio_is_exactly_one_and_the_gradient_is_the_reference_formulas(tiny):
-    """Unmoved weights: r̂ = 1 exactly (and no second forward), and the gradient is the score-function one,
-    ∇L = -mean_i w_i A_i red(z_i ∇μ_i) with z = (x' - μ)/s and w = 1/(t - t_next); at one shared step that is
-    s·w times the clipped objective's gradient."""
-    cfg, adapter, traj = tiny
+    """Unmoved weights: r̂ = 1 exactly (and no second forward), with the stored sampling means as with the fallback
+    that recomputes them, and the gradient is the score-function one, ∇L = -mean_i w_i A_i red(z_i ∇μ_i) with
+    z = (x' - μ)/s and w = 1/(t - t_next); at one shared step that is s·w times the clipped objective's gradient."""
+    cfg, adapter, stored = tiny
     params = _params(adapter)
-    for positions in (torch.tensor([0, 1, 2, 0]), torch.full((4,), 1)):
+    for positions, traj in (
+        (torch.tensor([0, 1, 2, 0]), stored),
+        (torch.tensor([0, 1, 2, 0]), replace(stored, means=None)),
+        (torch.full((4,), 1), stored),
+    ):
         CountedWeights.swaps = 0
         loss, stats = guard_timestep_loss(adapter, cfg, traj, positions, ADVANTAGES, CountedWeights(params))
-        assert CountedWeights.swaps == 0  # the current forward's mean is the old one
+        assert CountedWeights.swaps == 0  # the stored mean, or the current forward's: the same number
         assert stats["ratio_min"].item() == 1.0 and stats["ratio_max"].item() == 1.0
         assert stats["raw_ratio_mean"].item() == 1.0 and stats["mean_shift"].item() == 0.0
         grads = torch.autograd.grad(loss, params)
@@ -172,10 +180,11 @@ def test_on_policy_the_ratio_is_exactly_one_and_the_gradient_is_the_reference_fo
 
 
 def test_off_policy_the_ratio_is_normalised_against_the_epochs_starting_means(tiny):
-    """After the weights moved, μ_old comes from the snapshot (one forward without gradient), and the loss is the
-    reference's: r̂ = exp(s (log p - log p_old + mean(Δμ²)/(2 s²))), loss = mean(w max(-A r̂, -A clip(r̂))) (verl-omni's
-    GRPOGuardLoss with a per-sample w)."""
+    """The fallback for a trajectory without sampling means: after the weights moved, μ_old comes from the snapshot
+    (one forward without gradient), and the loss is the reference's: r̂ = exp(s (log p - log p_old + mean(Δμ²)/(2 s²))),
+    loss = mean(w max(-A r̂, -A clip(r̂))) (verl-omni's GRPOGuardLoss with a per-sample w)."""
     cfg, adapter, traj = tiny
+    traj = replace(traj, means=None)
     params = _params(adapter)
     positions = torch.tensor([0, 1, 2, 1])
     with torch.no_grad():
@@ -204,6 +213,53 @@ def test_off_policy_the_ratio_is_normalised_against_the_epochs_starting_means(ti
         torch.testing.assert_close(stats["raw_ratio_mean"], torch.exp(log_ratio).mean(), rtol=1e-5, atol=0)
         torch.testing.assert_close(loss.detach(), policy, rtol=1e-5, atol=0)
         torch.testing.assert_close(stats["step_weight"], w.mean(), rtol=1e-6, atol=0)
+    finally:
+        with torch.no_grad():
+            for p, old in zip(params, saved, strict=True):
+                p.copy_(old)
+
+
+def _forwards_per_loss(adapter, objective, batch):
+    """``objective.loss(adapter, batch)`` and the number of transformer forwards it ran."""
+    with helper.forward_rows(adapter) as rows:
+        loss, stats = objective.loss(adapter, batch)
+    return loss, stats, len(rows)
+
+
+def test_with_stored_means_a_moved_term_is_one_forward_and_the_fallbacks_loss(tiny):
+    """The same micro-batch through two Guard objectives, one with the rollout's sampling means, one without (the
+    fallback: the epoch-start snapshot, taken at the first term). On-policy both run one forward and agree bit for
+    bit; after an optimizer-like move the stored means still cost one forward where the fallback runs two (the
+    snapshot's), and the loss, its gradient and every statistic agree (μ_old is the same tensor but for the rows its
+    forward saw: CPU rounding)."""
+    cfg, adapter, stored = tiny
+    params = _params(adapter)
+    positions = torch.tensor([0, 1, 2, 1])
+    batches = {
+        name: MicroBatch(traj, ADVANTAGES, positions, torch.Generator())
+        for name, traj in (("stored", stored), ("recomputed", replace(stored, means=None)))
+    }
+    objectives = {name: Guard(cfg) for name in batches}
+    for objective in objectives.values():
+        objective.begin_epoch(params)
+    on_policy = {name: _forwards_per_loss(adapter, objectives[name], batch) for name, batch in batches.items()}
+    assert on_policy["stored"][2] == on_policy["recomputed"][2] == 1
+    assert objectives["stored"].old_weights is None  # stored means: no snapshot at all
+    assert isinstance(objectives["recomputed"].old_weights, EpochStartWeights)
+    assert torch.equal(on_policy["stored"][0], on_policy["recomputed"][0])
+    saved = [p.detach().clone() for p in params]
+    _move(adapter)
+    try:
+        moved = {name: _forwards_per_loss(adapter, objectives[name], batch) for name, batch in batches.items()}
+        (loss, stats, forwards), (want, want_stats, want_forwards) = moved["stored"], moved["recomputed"]
+        assert forwards == 1 and want_forwards == 2
+        assert (stats["ratio_max"] - 1).abs() > 1e-6 and stats["mean_shift"] > 0  # really off-policy
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+        assert stats.keys() == want_stats.keys()
+        for key, value in want_stats.items():
+            torch.testing.assert_close(stats[key], value, rtol=1e-5, atol=1e-9, msg=key)
+        for got, expected in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     finally:
         with torch.no_grad():
             for p, old in zip(params, saved, strict=True):
@@ -256,6 +312,78 @@ def test_epoch_start_weights_notice_the_first_step_and_keep_the_snapshot(tiny):
                 p.copy_(old)
 
 
+# ---- the rollout strategies keep the sampling means ------------------------------------------------------------------
+
+STRATEGIES = {  # every strategy guard accepts, set up as its own tests do (tests/test_*.py of each)
+    "chain": [],
+    "dense": ["sampler.rollout=dense"],
+    "iso_temporal": [
+        "sampler.rollout=iso_temporal",
+        "sampler.window.size=1",
+        "sampler.window.strategy=random",
+        "sampler.window.max_start=3",
+    ],
+    "branch": ["sampler.rollout=branch"],
+    "entropy_merge": [
+        "sampler.rollout=entropy_merge",
+        "sampler.entropy_merge.steps=[0, 1]",
+        "sampler.entropy_merge.spans=[1, 3]",
+    ],
+    "tree": ["sampler.rollout=tree", "grpo.advantage.estimator=tree", "sampler.tree.split_steps=[0, 2]"],
+}
+STRATEGY = ["run.progress=false", "sampler.same_initial_noise=true", "grpo.groups_per_epoch=2"]
+
+
+def _collect(overrides: list[str]):
+    """One epoch of the strategy on the tiny SD3 pipeline (no LoRA: the sampling weights are the adapter's)."""
+    from flowgrpo.rollouts import get_rollout
+
+    config = load_config(helper.TINY, [*STRATEGY, *overrides])
+    adapter = helper.adapter()
+    score = lambda images, *_: {"total": images.float().mean(dim=(1, 2, 3))}  # noqa: E731  (dense's stage values)
+    strategy = get_rollout(config.sampler.rollout)(helper.rollout_context(config, adapter, score=score))
+    return config, adapter, strategy.collect(0).trajectory
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_keeps_the_sampling_mean_that_re_scoring_computes(name):
+    """Guard's trajectory holds, for every stored transition (tree: every slot, padding included), the mean the
+    transition was sampled with: float32, equal to the mean :func:`evaluate_transitions` computes under the same
+    weights (bit for bit where the forward saw the same rows, else up to CPU rounding, 1e-5 with |μ| up to 4: a
+    shared trunk, a tree's nodes or a batch split by window against one row per image, as tests/test_tempflow.py
+    says; this CPU gave 0 everywhere)."""
+    config, adapter, traj = _collect(["grpo.objective=guard", *STRATEGIES[name]])
+    means = traj.means
+    assert means is not None and means.dtype == torch.float32 and means.shape == traj.latents.shape
+    assert traj.num_trained_steps >= 1
+    with torch.no_grad():
+        for j in range(traj.num_trained_steps):
+            step = torch.full((len(traj),), j)
+            recomputed = evaluate_transitions(adapter, traj, step, config.sampler).mean
+            if name in ("chain", "dense"):  # the window's forwards saw the same rows (the batch's 8 images)
+                assert torch.equal(means[:, j], recomputed)
+            torch.testing.assert_close(means[:, j], recomputed, rtol=0, atol=1e-5)
+            assert torch.equal(stored_means(traj, step), means[:, j])
+    picked = traj.select([2, 0])  # a micro-batch keeps its rows' means; joined batches theirs
+    assert torch.equal(picked.means, means[[2, 0]])
+    assert torch.equal(Trajectory.cat([picked, traj]).means, torch.cat([means[[2, 0]], means]))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["grpo.objective=clipped"],
+        ["grpo.objective=tempflow", *STRATEGIES["branch"]],
+        ["grpo.objective=clipped", *STRATEGIES["tree"]],
+        ["grpo.objective=guard", "grpo.guard.ratio_norm=false"],  # no RatioNorm: no mean is read
+    ],
+)
+def test_objectives_that_do_not_ask_get_no_means(overrides):
+    _, _, traj = _collect(overrides)
+    assert traj.means is None and traj.select([1, 0]).means is None and Trajectory.cat([traj, traj]).means is None
+    assert stored_means(traj, 0) is None
+
+
 # ---- config and trainer ---------------------------------------------------------------------------------------------
 
 
@@ -283,10 +411,22 @@ def test_the_squared_error_log_prob_is_allowed_without_ratio_norm():
 
 
 def test_a_trainer_epoch_with_guard(tmp_path, monkeypatch):
-    """Two micro-batches of 3 trained steps: the first trains on-policy (ratio exactly 1, no snapshot forward), the
-    second after the first optimizer step, each of its 3 terms with one forward on the snapshot."""
+    """Two micro-batches of 3 trained steps: the first trains on-policy (ratio exactly 1), the second after the first
+    optimizer step; every term runs exactly one forward, the rollout having kept the sampling means (no snapshot, no
+    swap; the fallback ran a second forward per term of the second micro-batch)."""
+    import flowgrpo.objectives.guard as guard
+
     CountedWeights.swaps = 0
-    monkeypatch.setattr("flowgrpo.objectives.guard.EpochStartWeights", CountedWeights)
+    monkeypatch.setattr(guard, "EpochStartWeights", CountedWeights)
+    forwards: list[tuple[bool, int]] = []  # (the trajectory had means, forwards) per term
+
+    def counted(adapter, cfg, sub, *args):
+        with helper.forward_rows(adapter) as rows:
+            out = guard_timestep_loss(adapter, cfg, sub, *args)
+        forwards.append((sub.means is not None, len(rows)))
+        return out
+
+    monkeypatch.setattr(guard, "guard_timestep_loss", counted)
     config = _config(f"run.output_dir={tmp_path}", "run.epochs=1", "eval.every=0", "train.weight_decay=0")
     trainer = GRPOTrainer(config)
     before = [p.detach().clone() for p in trainer.params]
@@ -296,5 +436,5 @@ def test_a_trainer_epoch_with_guard(tmp_path, monkeypatch):
     assert row["global_step"] == 2 and row["train/onpolicy_ratio_dev"] == 0.0
     assert {"train/raw_ratio_mean", "train/mean_shift", "train/step_weight", "train/clip_fraction"} <= set(row)
     assert row["train/step_weight"] > 1.0  # 1/Δt on a 4-step schedule
-    assert CountedWeights.swaps == 3
+    assert forwards == [(True, 1)] * 6 and CountedWeights.swaps == 0
     assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))

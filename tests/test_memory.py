@@ -82,20 +82,23 @@ BRANCH = ("sampler.rollout=branch", "sampler.same_initial_noise=true", "grpo.obj
 
 @pytest.mark.parametrize(
     ("name", "overrides"),
-    [("tiny_sd3", ()), ("tiny_wan", ()), ("tiny_sd3", BRANCH)],  # branch: one stored step per image (before: 9)
+    # branch: one stored step per image (before: 9); guard: the float32 sampling means as well
+    [("tiny_sd3", ()), ("tiny_wan", ()), ("tiny_sd3", BRANCH), ("tiny_sd3", ("grpo.objective=guard",))],
 )
 def test_the_estimate_is_what_an_epoch_of_rollouts_keeps(name, overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     trainer = GRPOTrainer(_config(name, tmp_path, "run.epochs=1", *overrides))
     trainer.run_lock.release()
     config, adapter = trainer.config, trainer.adapter
-    found = estimate(config, geometry(adapter, config.model.resolution))
+    means = trainer.objective.needs_sampling_means
+    found = estimate(config, geometry(adapter, config.model.resolution), stores_means=means)
     trainer.scorer = AsyncReward(trainer.reward, max_pending=2)  # as run_epoch: rewards scored meanwhile
     with trainer.scorer:
         trajectory = trainer.rollouts.collect(0).trajectory
         trainer.scorer.results()
     stored = trajectory.latents.nbytes + trajectory.next_latents.nbytes + trajectory.final_latents.nbytes
     assert found.device["stored trajectory"] == stored
+    assert found.device.get("sampling means") == (trajectory.means.nbytes if means else None)
     assert found.host["sampled images"] == trajectory.images.float().nbytes
     batch = config.sampler.batch_size
     assert found.host["initial noise"] == batch * trajectory.final_latents[0].numel() * 4
@@ -126,6 +129,8 @@ def test_each_buffer_follows_its_formula_and_the_refusal_names_what_fits(monkeyp
     }
     assert found.host == {"initial noise": 8 * latent * 4, "sampled images": 256 * 3 * 1024 * 1024 * 4}
     assert estimate(config, shape, stores_transitions=False).stored_steps == 0  # awm, nft: final samples only
+    with_means = estimate(config, shape, world_size=2, stores_means=True).device  # GRPO-Guard's μ_old, float32
+    assert with_means == {**found.device, "sampling means": 256 * 9 * latent * 4}
     check_memory(config, adapter, world_size=2, available=(None, 10**12))
     with pytest.raises(ConfigError, match=r"needs at least .* of RAM .* but 1.0 GB is available") as info:
         check_memory(config, adapter, world_size=2, available=(None, 10**9))

@@ -14,8 +14,9 @@ An objective is a class registered by name::
 The trainer knows only this interface: it asks the objective which samples train this epoch
 (:meth:`Objective.select_samples`), cuts them into micro-batches, asks each micro-batch for its terms
 (:meth:`Objective.terms`, one backward each) and steps the optimizer. Everything a method needs beyond that — its
-settings and their validation, what it refuses under sharded parameters, state for one epoch (DiffusionNFT's old
-weights, :meth:`Objective.begin_epoch`) — lives in its module.
+settings and their validation, what it refuses under sharded parameters, what the rollout must keep for it beyond
+the log-probs (:attr:`Objective.needs_sampling_means`), state for one epoch (DiffusionNFT's old weights,
+:meth:`Objective.begin_epoch`) — lives in its module.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class Objective:
     def settings(self) -> Any:
         """This objective's section of the config (``grpo.<name>``), or None without one."""
         return getattr(self.config.grpo, self.name) if self.config_class is not None else None
+
+    @property
+    def needs_sampling_means(self) -> bool:
+        """Whether the rollout keeps each stored transition's mean under the sampling weights
+        (``Trajectory.means``, [B, W, *latent] float32: as much memory as the stored latents again in fp32), for an
+        objective that needs the old policy's mean rather than only its log-prob (GRPO-Guard). Off by default: the
+        others would pay the memory for nothing."""
+        return False
 
     @classmethod
     def validate(cls, config: Config) -> None:

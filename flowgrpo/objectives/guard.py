@@ -31,16 +31,25 @@ Since ``w > 0`` the weight is folded into the advantage, ``A_i w_i``, and the cl
 (:func:`~.clipped.grpo_loss`) computes the rest unchanged; with ``ratio_norm: false`` and ``reweight: none`` the
 objective is ``clipped``'s, bit for bit.
 
-**The old mean.** ``μ_old`` is the transition's mean under the weights that sampled it. The trajectory keeps no means,
-so it is recomputed: with the trainable weights as they were when the epoch's training began (a snapshot, as
-:mod:`.nft` keeps), one forward without gradient per term; until the first optimizer step has moved the weights the
-current forward's own mean is the old one (no extra forward). Hence the refusal of sharded parameters.
+**The old mean.** ``μ_old`` is the transition's mean under the weights that sampled it. The rollout stores it:
+:attr:`Guard.needs_sampling_means` (with RatioNorm) asks every rollout strategy to keep each stored transition's mean,
+float32 as the SDE step computed it (``Trajectory.means``, read by :func:`~flowgrpo.rollout.stored_means`), so a term
+costs the one forward that builds its graph, whatever the optimizer did, and the stored log-prob and ``μ_old`` come
+from the same computation (``log r̂ = red(z·Δμ)`` holds with the stored draw ``z``). Every built-in strategy keeps
+them, so sharded parameters (DeepSpeed ZeRO-2, FSDP) are accepted. The float32 copy costs ``4·L`` bytes per stored
+step and sample (``L`` latent elements; ``flowgrpo.memory`` counts it): rounded to bf16 latents instead, ``μ_old``'s
+error ``e`` (about 2⁻⁹·|μ|) would add ``red(e²)/(2s)`` to every ``log r̂``: 1e-6 to 1e-5 for |μ| ≈ 1 and s from
+0.5 to 0.05, against ``sd35m_guard``'s clip range of 3e-5.
+A trajectory without means (a strategy that ignores ``sampling_options``) falls back to recomputing ``μ_old``: with
+the trainable weights as they were when the epoch's training began (a snapshot, as :mod:`.nft` keeps, taken at the
+epoch's first term), one forward without gradient per term once an optimizer step has moved them (before, the current
+forward's own mean is the old one); that fallback swaps whole parameters and is refused on FSDP shards.
 
 Against the public implementations (the paper's code is not public; read: Flow-Factory ``GRPOGuardTrainer`` in
 ``src/flow_factory/trainers/grpo.py``, verl-omni ``GRPOGuardLoss`` in ``verl_omni/trainer/diffusion/
 diffusion_algos.py``, TeleBoost ``recipe/teleboost/algorithms/grpo_guard.py``): the ratio is theirs exactly with the
-``mean`` reduction; they store μ_old at rollout time where this recomputes it (the same tensor up to the forward's
-batch composition); ``s`` is each sample's transition std (theirs ``sqrt(-dt)·std_dev_t``, the same for
+``mean`` reduction; μ_old is stored at rollout time as they store it (Flow-Factory ``next_latents_mean``, verl-omni
+``old_prev_sample_mean``); ``s`` is each sample's transition std (theirs ``sqrt(-dt)·std_dev_t``, the same for
 Euler–Maruyama; for the CPS and Langevin steps, which they do not define, the derivation above holds with their std);
 the weight is per sample (verl-omni: one per micro-batch, its samples share a step) and multiplies the policy term only,
 not the KL (as verl-omni; Flow-Factory applies no reweighting). TeleBoost's DanceGRPO form ``(1 + η²(1-t)/(2t))/Δt`` is
@@ -59,7 +68,7 @@ from torch import Tensor
 from samplers import reduce_per_sample, transition_kl
 
 from ..checks import ConfigError, one_of
-from ..rollout import evaluate_transitions, stored_log_probs
+from ..rollout import evaluate_transitions, stored_log_probs, stored_means
 from .base import MicroBatch, Objective, register_objective
 from .clipped import grpo_loss
 from .nft import OldWeights
@@ -154,14 +163,15 @@ def guard_timestep_loss(
     under the current weights, RatioNorm's ratio (``grpo.guard.ratio_norm``) against the old mean, the per-step weights
     (``grpo.guard.reweight``), and the clipped loss of :func:`~.clipped.grpo_loss` (+ β·KL, unweighted). Logs
     :class:`~.clipped.LossStats` (the ratio ones of r̂), ``raw_ratio_mean`` (the plain ratio), ``step_weight`` and, with
-    RatioNorm, ``mean_shift`` (red(Δμ²)/(2s²), the plain log-ratio's bias). ``old_weights=None``: the current weights
-    are the sampling ones. ``advantages``: [B], or [B, W] per step (read at ``positions``)."""
+    RatioNorm, ``mean_shift`` (red(Δμ²)/(2s²), the plain log-ratio's bias). The old mean is the stored one
+    (``sub.means``); without it, recomputed on ``old_weights`` once they moved (None: the current weights are the
+    sampling ones). ``advantages``: [B], or [B, W] per step (read at ``positions``)."""
     settings: GuardConfig = cfg.grpo.guard
     reduce = cfg.grpo.log_prob_reduce
     if advantages.ndim == 2:
         advantages = _at(advantages, positions)
-    old_mean = None
-    if settings.ratio_norm and old_weights is not None and old_weights.moved():
+    old_mean = stored_means(sub, positions) if settings.ratio_norm else None
+    if settings.ratio_norm and old_mean is None and old_weights is not None and old_weights.moved():
         # Before the forward that builds the graph (OldWeights swaps the parameters' storage).
         with torch.no_grad(), old_weights.swapped_in():
             old_mean = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce).mean
@@ -174,7 +184,7 @@ def guard_timestep_loss(
     old = stored_log_probs(sub, positions).to(new.log_prob.device)
     extra: dict[str, Tensor] = {}
     if settings.ratio_norm:
-        old_mean = new.mean.detach() if old_mean is None else old_mean
+        old_mean = new.mean.detach() if old_mean is None else old_mean.to(new.mean.device)
         log_ratio = ratio_norm_log_ratio(new.log_prob, old, new.mean, old_mean, new.std, reduce)
         baseline = torch.zeros_like(log_ratio)  # grpo_loss forms exp(log_ratio - baseline) = r̂
         extra["mean_shift"] = _mean_shift(new, old_mean, reduce).mean()
@@ -203,15 +213,16 @@ class Guard(Objective):
 
     config_class: ClassVar[type] = GuardConfig
     rollout: ClassVar[str] = "sde_window"
-    refuses_sharded: ClassVar[str | None] = (
-        "swaps the epoch's starting weights into the trainable parameters to recompute the old transition means, "
-        "written for parameters that are whole tensors on every process (one process, DDP); under DeepSpeed or FSDP "
-        "use grpo.objective: clipped, or grpo.guard.ratio_norm: false"
-    )
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.old_weights: EpochStartWeights | None = None
+        self._epoch_params: list[torch.nn.Parameter] = []
+
+    @property
+    def needs_sampling_means(self) -> bool:
+        """RatioNorm's μ_old: kept by the rollout (module docstring); without RatioNorm no mean is read."""
+        return bool(self.settings.ratio_norm)
 
     @classmethod
     def validate(cls, config: Config) -> None:
@@ -231,9 +242,28 @@ class Guard(Objective):
             )
 
     def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
-        self.old_weights = EpochStartWeights(params) if self.settings.ratio_norm else None
+        """No snapshot yet: with stored means none is needed; without, :meth:`loss` takes it at the epoch's first term
+        (before any optimizer step of the epoch, so still the sampling weights)."""
+        self._epoch_params = params if self.settings.ratio_norm else []
+        self.old_weights = None
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        if batch.trajectory.means is None and self._epoch_params and self.old_weights is None:
+            self.old_weights = _snapshot(self._epoch_params)
         return guard_timestep_loss(
             adapter, self.config, batch.trajectory, batch.positions, batch.advantages, self.old_weights
         )
+
+
+def _snapshot(params: list[torch.nn.Parameter]) -> EpochStartWeights:
+    """The fallback's epoch-start weights; refused on FSDP shards, which the swap would break (the strategy should keep
+    the means: ``RolloutStrategy.sampling_options``)."""
+    from torch.distributed.tensor import DTensor  # FSDP2's shards (flowgrpo.parallel imports config: a circle)
+
+    if any(isinstance(p, DTensor) for p in params):
+        raise RuntimeError(
+            "grpo.objective=guard got a trajectory without sampling means (Trajectory.means) on FSDP-sharded "
+            "parameters: recomputing the old means swaps whole parameters, which shards are not; the rollout "
+            "strategy must pass RolloutStrategy.sampling_options() (store_means) to its rollout function"
+        )
+    return EpochStartWeights(params)

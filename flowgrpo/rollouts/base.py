@@ -116,9 +116,12 @@ class RolloutStrategy:
 
     def sampling_options(self, metadata: list[dict[str, Any]], sources: list[Any] | None) -> dict[str, Any]:
         """The keyword arguments every rollout function takes from the run's settings (the model's resolution,
-        ``grpo.log_prob_reduce``, ``run.seed`` for the noise) and from the batch (its metadata and source images)."""
+        ``grpo.log_prob_reduce``, ``run.seed`` for the noise), from the objective (``store_means``: whether it needs
+        each stored transition's sampling mean, :attr:`~flowgrpo.objectives.Objective.needs_sampling_means`) and from
+        the batch (its metadata and source images)."""
         cfg = self.context.config
         return {
+            "store_means": self.context.objective.needs_sampling_means,
             "height": cfg.model.resolution,
             "width": cfg.model.resolution,
             "log_prob_reduce": cfg.grpo.log_prob_reduce,

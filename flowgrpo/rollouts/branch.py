@@ -114,11 +114,13 @@ def branch_rollout(
     noise_seed: int = 0,
     sources: Sequence[Any] | None = None,
     spans: Tensor | Sequence[int] | None = None,
+    store_means: bool = False,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images, image ``r`` branching at schedule step ``branch_steps[r]`` (the same for the
     images of one group and prompt): the ODE before it (once per group with ``sampler.shared_prefix``, when the
     group's initial latents are equal), one ``sampler.kind`` SDE step at it (stored), the Euler ODE after it.
-    The trajectory holds that one transition per image. Arguments as :func:`flowgrpo.rollout.rollout`.
+    The trajectory holds that one transition per image (with ``store_means``, its mean too). Arguments as
+    :func:`flowgrpo.rollout.rollout`.
 
     ``spans`` (E-GRPO's merged steps, :mod:`.merged`; default all 1): image ``r``'s SDE step jumps from
     ``t_k`` to ``t_{k+m}``, ``m = spans[r]`` (:func:`samplers.merge.merged_sde_step`), and its ODE resumes at step
@@ -161,6 +163,7 @@ def branch_rollout(
     before, after = torch.empty_like(x), torch.empty_like(x)
     log_probs = torch.zeros(n, device=device)
     stds = torch.zeros(n, device=device)
+    means = torch.zeros(x.shape, device=device, dtype=torch.float32) if store_means else None
     t_second = float(sigmas[1])
     for i in range(num_steps):
         t, t_next = sigmas[i], sigmas[i + 1]
@@ -199,6 +202,8 @@ def branch_rollout(
             )
             before[rows_at], after[rows_at], latents[rows_at] = x_at, step.sample, step.sample
             log_probs[rows_at] = step.log_prob.float()
+            if means is not None:
+                means[rows_at] = step.mean.float()
             std = step.std.float()
             stds[rows_at] = std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(rows_at))
         past = ~at
@@ -220,6 +225,7 @@ def branch_rollout(
         step_indices=column(ks),
         t_second=t_second,
         guidance_scale=gs,
+        means=None if means is None else means.unsqueeze(1),
         **_final_fields(adapter, latents, height, width, decode, metadata),
     )
 

@@ -248,12 +248,14 @@ def tree_rollout(
     metadata: list[dict[str, Any]] | None = None,
     noise_seed: int = 0,
     sources: Sequence[Any] | None = None,
+    store_means: bool = False,
 ) -> Trajectory:
     """Sample the leaves ``leaves[r]`` of group ``group_ids[r]`` (prompt ``prompts[r]``): the ancestors of the given
     leaves, one forward per step over the nodes of that depth; SDE at the steps ``sde`` (each child's noise seeded by
     ``(noise_seed, group, step, node)``), the Euler ODE elsewhere. Each image stores its share of the edges at the
-    steps ``stored`` (:func:`deal_edges`), padded to W. Other arguments as :func:`flowgrpo.rollout.rollout`; the
-    initial latents of a group's rows must be equal (``sampler.same_initial_noise``)."""
+    steps ``stored`` (:func:`deal_edges`), padded to W (``store_means``: each edge's mean too). Other arguments as
+    :func:`flowgrpo.rollout.rollout`; the initial latents of a group's rows must be equal
+    (``sampler.same_initial_noise``)."""
     prompts = list(prompts)
     n = len(prompts)
     if not prompts:
@@ -304,6 +306,7 @@ def tree_rollout(
     after = x.new_zeros((n, width_w, *latent_shape))
     log_probs = torch.zeros(n, width_w, device=device)
     stds = torch.zeros(n, width_w, device=device)
+    means = torch.zeros((n, width_w, *latent_shape), device=device, dtype=torch.float32) if store_means else None
     path_log_probs = torch.zeros(n, num_steps)
     nodes = torch.zeros(n, num_steps, dtype=torch.long)
     elements = math.prod(latent_shape)
@@ -346,7 +349,7 @@ def tree_rollout(
                 reduce=log_prob_reduce,
                 **_step_kwargs(sampler),
             )
-            nxt, lp = step.sample, step.log_prob.float()
+            nxt, lp, mean = step.sample, step.log_prob.float(), step.mean.float()
             std = step.std.float()
             std = std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(nxt))
             per_element = (lp / elements if log_prob_reduce == "sum" else lp).cpu()
@@ -354,7 +357,7 @@ def tree_rollout(
             if len(children) != len(frontier):
                 raise AssertionError(f"step {d} is the ODE but branches")
             nxt = ode_step(v_in, x_in, t, t_next)
-            lp = std = per_element = None
+            lp = std = per_element = mean = None
         child_of = torch.tensor(row_child)
         nodes[:, d] = torch.tensor([c for _, c in children])[child_of]
         if per_element is not None:
@@ -366,6 +369,8 @@ def tree_rollout(
                 row = row_child[r]
                 before[r, j], after[r, j] = x_in[row], nxt[row]
                 log_probs[r, j], stds[r, j] = lp[row], std[row]
+                if means is not None:
+                    means[r, j] = mean[row]
         frontier = {key: i for i, key in enumerate(children)}
         rep, current = child_rep_t, nxt
 
@@ -385,6 +390,7 @@ def tree_rollout(
         step_indices=step_indices,
         t_second=t_second,
         guidance_scale=gs,
+        means=means,
         **_final_fields(adapter, final, height, width, decode, metadata),
         extras={
             "tree_leaf": leaves.clone(),
