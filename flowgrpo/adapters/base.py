@@ -7,6 +7,7 @@ hold no model-specific branches. Subclasses (SD3, FLUX) fill in the family-speci
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
@@ -31,6 +32,9 @@ class PromptEmbeds:
                      packed VAE latents, appended to the image sequence), or None (text-to-image)
     source_images:   [B, 3, h, w] editing only: the source images as the model sees them, float in [0, 1] on the CPU
                      (what rewards get as ``source_images``), or None
+    image_size:      [B, 2] long on the CPU: (height, width) in pixels of the image each row is generated at, set by
+                     :meth:`PipelineAdapter.encode_conditions` (every rollout), or None. A packed token sequence
+                     (FLUX, Qwen-Image) does not say whether it is 32x48 or 48x32 tokens: its positions come from here
     """
 
     prompt_embeds: Tensor
@@ -41,6 +45,7 @@ class PromptEmbeds:
     negative_mask: Tensor | None = None
     source_latents: Tensor | None = None
     source_images: Tensor | None = None
+    image_size: Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
@@ -85,6 +90,11 @@ def _take(value: Tensor | None, index: Any) -> Tensor | None:
     if isinstance(index, Tensor):
         index = index.to(value.device)
     return value[index]
+
+
+def image_size_rows(rows: int, height: int, width: int) -> Tensor:
+    """``PromptEmbeds.image_size`` of ``rows`` rows generated at ``height`` x ``width``: ``[rows, 2]`` long."""
+    return torch.tensor([[height, width]], dtype=torch.long).expand(rows, 2)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -227,8 +237,11 @@ class PipelineAdapter:
         """Everything a rollout conditions on: :meth:`encode_prompts`, and for editing each prompt's source image
         (``sources``: file paths or PIL images, one per prompt) as ``source_latents`` / ``source_images``.
 
+        ``height`` / ``width`` given: the rows' ``image_size`` too (the generated image's token grid).
         A family whose text encoder also reads the image (Qwen-Image-Edit) overrides this method."""
         embeds = self.encode_prompts(prompts, with_negative=with_negative)
+        if height is not None and width is not None:
+            embeds = replace(embeds, image_size=image_size_rows(len(embeds), height, width))
         if sources is None:
             return embeds
         if len(sources) != len(embeds):
@@ -273,6 +286,27 @@ class PipelineAdapter:
     def _encode_sources(self, pixels: Tensor) -> Tensor:
         """Source images ``[N, 3, h, w]`` in [-1, 1] -> ``[N, S, C]`` tokens in the transformer's layout."""
         raise NotImplementedError(f"{self.family} takes no source images")
+
+    def _packed_grid(self, length: int, embeds: PromptEmbeds) -> tuple[int, int]:
+        """``(rows, columns)`` of the generated image's ``length`` packed tokens (FLUX, Qwen-Image): from the rows'
+        ``image_size``, since a token count alone does not tell 32x48 from 48x32; without it (embeddings from
+        :meth:`encode_prompts`) a square grid."""
+        if embeds.image_size is None:
+            side = math.isqrt(length)
+            if side * side != length:
+                raise ValueError(
+                    f"{self.family}: {length} latent tokens and no image size to arrange them by: build the "
+                    "embeddings with encode_conditions(..., height=H, width=W) (as a rollout does)"
+                )
+            return side, side
+        size = embeds.image_size[0]
+        if not bool((embeds.image_size == size).all()):
+            raise ValueError(f"{self.family}: a batch mixes image sizes {embeds.image_size.unique(dim=0).tolist()}")
+        height, width = size.tolist()
+        rows, cols = height // self.size_multiple, width // self.size_multiple
+        if rows * cols != length:
+            raise ValueError(f"{self.family}: {length} latent tokens, but a {height}x{width} image has {rows * cols}")
+        return rows, cols
 
     def needs_negative(self, guidance_scale: float) -> bool:
         """Whether ``velocity`` at this guidance scale uses the negative prompt's embeddings."""

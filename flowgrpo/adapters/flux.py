@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -35,7 +34,8 @@ class FluxAdapter(PipelineAdapter):
     def __init__(self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512) -> None:
         super().__init__(pipe, negative_prompt=negative_prompt)
         self.max_sequence_length = max_sequence_length
-        self._image_ids: dict[int, Tensor] = {}  # packed sequence length -> [L, 3] positional ids
+        # (rows, columns, first axis, device, dtype) of a packed token grid -> its [rows · columns, 3] positional ids
+        self._grid_ids: dict[tuple[int, int, int, torch.device, torch.dtype], Tensor] = {}
 
     @property
     def size_multiple(self) -> int:
@@ -49,10 +49,7 @@ class FluxAdapter(PipelineAdapter):
         self.check_size(height, width)
         h, w = self._latent_hw(height, width)
         channels = self.pipe.transformer.config.in_channels // 4
-        length = (h // 2) * (w // 2)
-        if length not in self._image_ids:
-            self._image_ids[length] = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
-        return (length, channels * 4)
+        return ((h // 2) * (w // 2), channels * 4)
 
     def image_seq_len(self, height: int, width: int) -> int:
         return self.latent_shape(height, width)[0]
@@ -63,13 +60,15 @@ class FluxAdapter(PipelineAdapter):
         )
         return embeds, pooled
 
-    def _ids_for(self, length: int) -> Tensor:
-        if length not in self._image_ids:
-            side = math.isqrt(length)
-            if side * side != length:
-                raise ValueError(f"unknown FLUX latent length {length}: call latent_shape(height, width) first")
-            self._image_ids[length] = self.pipe._prepare_latent_image_ids(1, side, side, self.device, self.dtype)
-        return self._image_ids[length]
+    def _ids_for(self, rows: int, cols: int, first: int = 0) -> Tensor:
+        """The pipeline's positional ids ``[rows · cols, 3]`` of a grid of packed tokens: ``(first, row, column)``
+        (first axis 0 for the generated image, 1 for Kontext's source), cached per grid, device and dtype."""
+        key = (rows, cols, first, self.device, self.dtype)
+        if key not in self._grid_ids:
+            ids = self.pipe._prepare_latent_image_ids(1, rows, cols, self.device, self.dtype)
+            ids[..., 0] = first
+            self._grid_ids[key] = ids
+        return self._grid_ids[key]
 
     def velocity(
         self,
@@ -104,7 +103,7 @@ class FluxAdapter(PipelineAdapter):
 
     def _image_tokens(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, Tensor]:
         """The image-stream tokens ``[B, N, C]`` and their positional ids ``[N, 3]``: the latents alone (FLUX.1)."""
-        return latents, self._ids_for(latents.shape[1])
+        return latents, self._ids_for(*self._packed_grid(latents.shape[1], embeds))
 
     def _latents_to_vae(self, latents: Tensor, height: int, width: int) -> Tensor:
         return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)

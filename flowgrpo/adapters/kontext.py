@@ -15,8 +15,6 @@ image>, height=H, width=W, max_area=H * W, _auto_resize=False)``. Without source
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -32,10 +30,6 @@ class FluxKontextAdapter(FluxAdapter):
     # Flow-GRPO's Kontext targets (scripts/train_flux_kontext.py) are FLUX's: attention on both streams + FFNs.
     default_lora_targets = FluxAdapter.default_lora_targets
 
-    def __init__(self, pipe: Any, **options: Any) -> None:
-        super().__init__(pipe, **options)
-        self._source_image_ids: dict[int, Tensor] = {}  # source token count -> [S, 3] positional ids
-
     def _encode_sources(self, pixels: Tensor) -> Tensor:
         """``[N, 3, h, w]`` in [-1, 1] -> packed latents ``[N, (h/16)(w/16), 4C]`` (the pipeline's image_latents)."""
         pipe = self.pipe
@@ -50,16 +44,12 @@ class FluxKontextAdapter(FluxAdapter):
         source = embeds.source_latents.to(device=latents.device, dtype=latents.dtype)
         if source.shape[0] != latents.shape[0]:
             raise ValueError(f"{source.shape[0]} source images for a batch of {latents.shape[0]} latents")
-        ids = (self._ids_for(latents.shape[1]), self._source_ids(source.shape[1]))
-        return torch.cat([latents, source], dim=1), torch.cat(ids)
-
-    def _source_ids(self, length: int) -> Tensor:
-        """The source tokens' positional ids: the grid's, with the first axis set to 1 (the pipeline's image_ids)."""
-        if length not in self._source_image_ids:
-            ids = self._ids_for(length).clone()
-            ids[..., 0] = 1
-            self._source_image_ids[length] = ids
-        return self._source_image_ids[length]
+        if embeds.source_images is None:
+            raise ValueError("flux-kontext: source latents without their images: use encode_conditions(sources=...)")
+        generated, generated_ids = super()._image_tokens(latents, embeds)
+        h, w = embeds.source_images.shape[-2:]  # the source's grid, first axis 1 (the pipeline's image_ids)
+        source_ids = self._ids_for(h // self.size_multiple, w // self.size_multiple, first=1)
+        return torch.cat([generated, source], dim=1), torch.cat([generated_ids, source_ids])
 
 
 # FluxKontextInpaintPipeline also concatenates mask latents, which this adapter never builds: refused.

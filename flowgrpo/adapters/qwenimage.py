@@ -5,7 +5,6 @@ latent statistics. Everything follows ``diffusers.QwenImagePipeline.__call__`` s
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +50,6 @@ class QwenImageAdapter(PipelineAdapter):
         if not 1 <= max_sequence_length <= 1024:  # QwenImagePipeline.check_inputs' limit
             raise ValueError(f"qwenimage: max_sequence_length must be in 1..1024, got {max_sequence_length}")
         self.max_sequence_length = max_sequence_length  # pipe()'s default: 512
-        self._grids: dict[int, tuple[int, int]] = {}  # packed sequence length -> (rows, columns) of 2x2 patches
 
     @staticmethod
     def lora_exclude(transformer: torch.nn.Module) -> list[str]:
@@ -70,7 +68,6 @@ class QwenImageAdapter(PipelineAdapter):
         self.check_size(height, width)
         f = self.pipe.vae_scale_factor
         rows, cols = height // (f * 2), width // (f * 2)
-        self._grids[rows * cols] = (rows, cols)
         return (rows * cols, self.pipe.transformer.config.in_channels)  # in_channels = 4 x latent channels
 
     def image_seq_len(self, height: int, width: int) -> int:
@@ -143,7 +140,7 @@ class QwenImageAdapter(PipelineAdapter):
     def _image_tokens(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, list]:
         """The transformer's image sequence and its ``img_shapes`` (one list of ``(frames, rows, columns)`` per sample):
         here the generated latents alone; Qwen-Image-Edit appends its source image's tokens."""
-        rows, cols = self._grid(latents.shape[1])
+        rows, cols = self._packed_grid(latents.shape[1], embeds)
         return latents, [[(1, rows, cols)]] * latents.shape[0]
 
     def _forward(
@@ -167,14 +164,6 @@ class QwenImageAdapter(PipelineAdapter):
             img_shapes=img_shapes,
             return_dict=False,
         )[0]
-
-    def _grid(self, length: int) -> tuple[int, int]:
-        if length not in self._grids:
-            side = math.isqrt(length)
-            if side * side != length:
-                raise ValueError(f"unknown Qwen-Image latent length {length}: call latent_shape(height, width) first")
-            self._grids[length] = (side, side)
-        return self._grids[length]
 
     # ------------------------------------------------------------------ schedule and decoding
     def schedule(

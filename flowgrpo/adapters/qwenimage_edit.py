@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .base import PromptEmbeds
+from .base import PromptEmbeds, image_size_rows
 from .qwenimage import QwenImageAdapter, _pad_rows
 from .registry import FamilySpec, register_family
 
@@ -136,7 +136,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
                 self._pair_cache[pair] = embeds[i, : int(lengths[i])]
         rows = [self._pair_cache[(p, k, height, width)] for p, k in zip(prompts, keys, strict=True)]
         embeds, mask = _pad_rows(rows)
-        out = PromptEmbeds(embeds, mask=mask, source_latents=latents, source_images=images)
+        size = image_size_rows(len(prompts), height, width)
+        out = PromptEmbeds(embeds, mask=mask, source_latents=latents, source_images=images, image_size=size)
         if not with_negative:
             return out
         negative, negative_mask = _pad_rows([self._pair_cache[(self.negative_prompt, k, height, width)] for k in keys])
