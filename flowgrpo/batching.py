@@ -27,6 +27,21 @@ def micro_batches(samples: Tensor, num_micro_batches: int, generator: torch.Gene
     return list(order.view(num_micro_batches, -1))
 
 
+def group_micro_batches(
+    samples: Tensor, group_ids: Tensor, num_micro_batches: int, generator: torch.Generator
+) -> list[Tensor]:
+    """``samples`` (indices; ``group_ids`` [N] the group of every index) cut into ``num_micro_batches``
+    micro-batches of whole groups: the groups in a random order, each group's samples together and in the order
+    ``samples`` gives them (an objective that pairs a group's images relies on it)."""
+    groups, inverse = torch.unique(group_ids[samples], return_inverse=True)
+    if len(groups) % num_micro_batches:
+        raise ValueError(f"{len(groups)} groups do not split into {num_micro_batches} micro-batches of whole groups")
+    per = len(groups) // num_micro_batches
+    order = torch.randperm(len(groups), generator=generator).tolist()
+    members = [samples[inverse == g] for g in range(len(groups))]
+    return [torch.cat([members[g] for g in order[i * per : (i + 1) * per]]) for i in range(num_micro_batches)]
+
+
 def trained_positions(
     batch: int, steps: int, generator: torch.Generator, *, shuffle: bool = True, fraction: float = 1.0
 ) -> Tensor:

@@ -26,6 +26,7 @@ from .adapters.registry import FamilyNames, available_families
 from .advantages import available_advantage_estimators, estimator_sections, validate_estimator
 from .checks import ConfigError, check_num_frames, check_range, one_of
 from .objectives import get_objective, objective_sections
+from .objectives.base import check_whole_groups
 from .rollouts import get_rollout, rollout_sections
 
 
@@ -604,6 +605,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     objective = get_objective(g.objective)
     _check_other_sections(config)
     objective.validate(config)
+    if objective.needs_whole_groups(config):
+        check_whole_groups(config, world_size)
     get_rollout(s.rollout).validate(config)
     validate_estimator(config)
     one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))

@@ -373,6 +373,17 @@ def rank_slice(plan: list[EpochSample], rank: int, world_size: int) -> list[Epoc
     return plan[rank * per_rank : (rank + 1) * per_rank]
 
 
+def rank_groups(plan: list[EpochSample], rank: int, world_size: int) -> list[EpochSample]:
+    """This process's share of the epoch in whole groups, for objectives whose loss compares a group's images
+    (``Objective.needs_whole_groups``): the groups in order of first appearance in the plan, dealt to the processes
+    in contiguous runs of ``groups / world_size``, each process's slots in plan order. One process: the plan as is
+    (what :func:`rank_slice` gives). The config guarantees the groups split evenly."""
+    order = list(dict.fromkeys(s.group_id for s in plan))
+    per_rank = len(order) // world_size
+    mine = set(order[rank * per_rank : (rank + 1) * per_rank])
+    return [s for s in plan if s.group_id in mine]
+
+
 def check_editing(datasets: dict[str, PromptDataset | None], *, reward: Any = None, adapter: Any = None) -> None:
     """Refuse, before any work, prompt files that do not fit image editing: a reward that compares edits with their
     source images (``reward.needs_source_images``) on prompts without any, or source images for a model that cannot

@@ -32,7 +32,6 @@ from rewards.base import accepts_source_images
 
 from .adapters import build_adapter
 from .advantages import AdvantageInputs, compute_advantages
-from .batching import micro_batches
 from .checkpoint import (
     CheckpointParts,
     check_resume,
@@ -425,7 +424,7 @@ class GRPOTrainer:
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
         self.objective.begin_epoch(self.params)
         num_micro = n // cfg.train.batch_size  # the same on every process (validated), also when samples are dropped
-        samples = self.objective.select_samples(advantages, num_micro, shuffle)
+        samples = self.objective.select_samples(advantages, num_micro, shuffle, trajectory.group_ids)
         self.stepper.per_update = terms * self.accumulation  # backward passes per optimizer step
         self.stepper.start_epoch(epoch)
         sums: dict[str, list[float]] = defaultdict(list)
@@ -443,7 +442,7 @@ class GRPOTrainer:
                 sums["onpolicy_ratio_dev"].append(max(stats["ratio_max"].item() - 1.0, 1.0 - stats["ratio_min"].item()))
 
         for _ in range(cfg.train.inner_epochs):
-            batches = micro_batches(samples, num_micro, shuffle)
+            batches = self.objective.micro_batches(samples, trajectory.group_ids, num_micro, shuffle)
             for mb in tqdm(batches, desc=f"training e{epoch}", leave=False, disable=not self._bars):
                 sub, adv = trajectory.select(mb), advantages[mb].to(acc.device)
                 for j, batch in enumerate(self.objective.terms(sub, adv, shuffle)):

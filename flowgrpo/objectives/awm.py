@@ -25,32 +25,20 @@ about 5× further; and training is conditional-only while CFG families sample wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from .base import MicroBatch, Objective, register_objective
-from .forward import ForwardProcessConfig, check_forward_process, noised_point, velocity, velocity_kl
+from .base import MicroBatch, register_objective
+from .forward import ForwardProcessObjective, flow_matching_error, noised_point, velocity, velocity_kl
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
-    from ..config import Config
-    from ..rollout import Trajectory
 
 
 @register_objective("awm")
-class AWM(Objective):
+class AWM(ForwardProcessObjective):
     """Advantage-weighted matching: ``grpo.awm.timesteps`` terms per sample, each a fresh (σ, ε)."""
-
-    config_class: ClassVar[type] = ForwardProcessConfig
-    rollout: ClassVar[str] = "ode"
-
-    @classmethod
-    def validate(cls, config: Config) -> None:
-        check_forward_process(config, cls.name)
-
-    def steps(self, trajectory: Trajectory) -> int:  # noqa: ARG002 (a setting, whatever was sampled)
-        return self.settings.timesteps
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """A fresh (σ, ε) per sample from the batch's generator, the advantage-weighted flow-matching loss plus β ×
@@ -58,7 +46,7 @@ class AWM(Objective):
         sub, beta = batch.trajectory, self.config.grpo.kl.beta
         point = noised_point(adapter, self.settings, sub, batch.generator)
         v = velocity(adapter, point, sub)
-        error = (v - (point.noise - point.clean)).pow(2).flatten(1).mean(dim=1)  # [B]
+        error = flow_matching_error(v, point)  # [B]
         policy_loss = (batch.advantages.detach().float().to(error.device) * error).mean()
         kl = velocity_kl(adapter, beta, point, sub, v)
         loss = policy_loss + beta * kl

@@ -12,10 +12,12 @@ An objective is a class registered by name::
             ...
 
 The trainer knows only this interface: it asks the objective which samples train this epoch
-(:meth:`Objective.select_samples`), cuts them into micro-batches, asks each micro-batch for its terms
+(:meth:`Objective.select_samples`) and how they form micro-batches (:meth:`Objective.micro_batches`), asks each
+micro-batch for its terms
 (:meth:`Objective.terms`, one backward each) and steps the optimizer. Everything a method needs beyond that — its
 settings and their validation, what it refuses under sharded parameters, what the rollout must keep for it beyond
-the log-probs (:attr:`Objective.needs_sampling_means`), state for one epoch (DiffusionNFT's old weights,
+the log-probs (:attr:`Objective.needs_sampling_means`), whether its loss compares the images of a group
+(:meth:`Objective.needs_whole_groups`: pairs, group sums), state for one epoch (DiffusionNFT's old weights,
 :meth:`Objective.begin_epoch`) — lives in its module.
 """
 
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..batching import kept_samples, trained_count, trained_positions
+from ..batching import group_micro_batches, kept_samples, micro_batches, trained_count, trained_positions
 from ..checks import ConfigError, one_of
 
 if TYPE_CHECKING:
@@ -84,6 +86,14 @@ class Objective:
         """Refuse settings this objective cannot use (a :class:`ConfigError` naming key and fix). Runs with the rest
         of the config's validation, before anything is loaded."""
 
+    @classmethod
+    def needs_whole_groups(cls, config: Config) -> bool:  # noqa: ARG003 (the default needs no setting)
+        """Whether the loss compares the images of one group (best against worst, a sum over the group): then each
+        process samples whole groups (:func:`~flowgrpo.data.rank_groups`) and every micro-batch holds whole groups
+        (:meth:`micro_batches`), which :func:`check_whole_groups` makes possible before anything loads. Off by
+        default: a group may then span processes and micro-batches."""
+        return False
+
     def steps(self, trajectory: Trajectory) -> int:
         """How many places each sample could train: the stored window's steps (sde_window objectives); one, the final
         sample, for ode objectives (awm and nft override it with their number of σ draws per sample)."""
@@ -94,12 +104,29 @@ class Objective:
         steps = self.steps(trajectory)
         return trained_count(steps, self.config.grpo.timestep_fraction) if steps else 0
 
-    def select_samples(self, advantages: Tensor, num_micro_batches: int, generator: torch.Generator) -> Tensor:
-        """Indices of this process's samples that train this epoch (``advantages``: [N] or [N, W])."""
+    def select_samples(
+        self,
+        advantages: Tensor,
+        num_micro_batches: int,
+        generator: torch.Generator,
+        group_ids: Tensor | None = None,  # noqa: ARG002 (for objectives that select within groups)
+    ) -> Tensor:
+        """Indices of this process's samples that train this epoch (``advantages``: [N] or [N, W]; ``group_ids``:
+        [N], each sample's group)."""
         if not self.config.grpo.drop_zero_advantage:
             return torch.arange(len(advantages))
         nonzero = advantages if advantages.ndim == 1 else advantages.abs().sum(dim=1)
         return kept_samples(nonzero, num_micro_batches, generator)
+
+    def micro_batches(
+        self, samples: Tensor, group_ids: Tensor, num_micro_batches: int, generator: torch.Generator
+    ) -> list[Tensor]:
+        """The selected ``samples`` (indices) cut into ``num_micro_batches`` micro-batches of equal size in a random
+        order; of whole groups, each group's samples in the order :meth:`select_samples` gave them, when
+        :meth:`needs_whole_groups` (``group_ids``: [N], each sample's group)."""
+        if self.needs_whole_groups(self.config):
+            return group_micro_batches(samples, group_ids, num_micro_batches, generator)
+        return micro_batches(samples, num_micro_batches, generator)
 
     def terms(self, trajectory: Trajectory, advantages: Tensor, generator: torch.Generator) -> Iterator[MicroBatch]:
         """The terms of one micro-batch, in training order. Lazy: the positions are drawn when the first term is asked
@@ -154,6 +181,35 @@ def get_objective(name: str) -> type[Objective]:
     return OBJECTIVES[name]
 
 
+def check_whole_groups(config: Config, world_size: int) -> None:
+    """An objective that compares a group's images (:meth:`Objective.needs_whole_groups`) needs each group on one
+    process and whole groups in every micro-batch: the groups must split evenly over the processes and
+    ``train.batch_size`` must be a multiple of the group size."""
+    g, t, name = config.grpo, config.train, config.grpo.objective
+    if g.groups_per_epoch % world_size:
+        raise ConfigError(
+            f"grpo.objective={name} compares the images of a group, so each process samples whole groups: "
+            f"grpo.groups_per_epoch={g.groups_per_epoch} must be a multiple of the {world_size} processes; set "
+            f"grpo.groups_per_epoch: {-(-g.groups_per_epoch // world_size) * world_size}"
+        )
+    if t.batch_size % g.group_size:
+        raise ConfigError(
+            f"grpo.objective={name} trains whole groups in every micro-batch: train.batch_size={t.batch_size} must be "
+            f"a multiple of grpo.group_size={g.group_size}; set train.batch_size: "
+            f"{max(1, round(t.batch_size / g.group_size)) * g.group_size}"
+        )
+
+
+def check_own_selection(config: Config) -> None:
+    """An objective that picks its own samples within each group (best and worst, the top k) replaces Flow-GRPO's
+    zero-advantage filter: refuse ``grpo.drop_zero_advantage``, which would do nothing."""
+    if config.grpo.drop_zero_advantage:
+        raise ConfigError(
+            f"grpo.objective={config.grpo.objective} selects the samples it trains within each group, so "
+            "grpo.drop_zero_advantage=true does not apply; set grpo.drop_zero_advantage: false"
+        )
+
+
 def objective_sections() -> dict[str, type]:
     """``grpo.<name>`` config sections: the settings class of every registered objective that has one."""
     return {name: cls.config_class for name, cls in OBJECTIVES.items() if cls.config_class is not None}
@@ -165,6 +221,8 @@ __all__ = [
     "OBJECTIVES",
     "Objective",
     "available_objectives",
+    "check_own_selection",
+    "check_whole_groups",
     "get_objective",
     "objective_sections",
     "register_objective",

@@ -1,25 +1,30 @@
-"""The forward process on the final samples, shared by the objectives that train there (``awm``, ``nft``).
+"""The forward process on the final samples, shared by the objectives that train there (``awm``, ``nft``, ``dgpo``,
+``dpo``, ``sft``).
 
 Each loss term noises a sample's final latent x0 afresh, ``x_σ = (1 - σ) x0 + σ ε``, and evaluates the network at
 ``(x_σ, σ)``. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``, then shifted by
 ``time_shift`` like the model's sampling schedule: ``σ <- s·σ / (1 + (s - 1)·σ)``. Nothing of the sampling path is
-needed (no log-probs, no SDE), so these objectives roll out with the plain ODE.
+needed (no log-probs, no SDE), so these objectives roll out with the plain ODE. Objectives that compare images
+(a DPO pair, a DGPO group) draw one (σ, ε) per pair or group and give it to all its rows (``share``), so that their
+losses differ by the images alone, as Diffusion-DPO does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..checks import ConfigError, check_range
+from .base import Objective
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
     from ..config import Config
     from ..rollout import Trajectory
+    from .nft import OldWeights
 
 
 @dataclass
@@ -47,18 +52,25 @@ class NoisedPoint(NamedTuple):
 
 
 def noised_point(
-    adapter: PipelineAdapter, settings: ForwardProcessConfig, sub: Trajectory, generator: torch.Generator | None
+    adapter: PipelineAdapter,
+    settings: ForwardProcessConfig,
+    sub: Trajectory,
+    generator: torch.Generator | None,
+    share: Tensor | None = None,
 ) -> NoisedPoint:
     """σ ~ sigmoid(N(logit_mean, logit_std²)) shifted by ``time_shift`` and ε ~ N(0, I), one each per sample from
-    ``generator`` (CPU); mixed and differenced in fp32, only the network's input takes x0's dtype. Guidance: families
+    ``generator`` (CPU); with ``share`` ([B] ids), one per distinct id (in increasing id order), given to every row
+    of that id. Mixed and differenced in fp32, only the network's input takes x0's dtype. Guidance: families
     without CFG take it as an input (FLUX's embedded guidance): the rollout's value; CFG families: the conditional
     branch (1.0), or with ``settings.cfg`` the guided velocity the rollout sampled with."""
     x0 = sub.final_latents
     n = x0.shape[0]
-    sigma = torch.sigmoid(settings.logit_mean + settings.logit_std * torch.randn(n, generator=generator))
+    rows = torch.arange(n) if share is None else torch.unique(share.cpu(), return_inverse=True)[1]
+    draws = int(rows.max()) + 1 if n else 0
+    sigma = torch.sigmoid(settings.logit_mean + settings.logit_std * torch.randn(draws, generator=generator))
     shift = settings.time_shift
-    sigma = (shift * sigma / (1 + (shift - 1) * sigma)).to(x0.device)
-    noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+    sigma = (shift * sigma / (1 + (shift - 1) * sigma))[rows].to(x0.device)
+    noise = torch.randn((draws, *x0.shape[1:]), generator=generator)[rows].to(x0.device)
     s = sigma.view((n,) + (1,) * (x0.ndim - 1))
     clean = x0.float()
     noisy = (1 - s) * clean + s * noise
@@ -71,14 +83,80 @@ def velocity(adapter: PipelineAdapter, point: NoisedPoint, sub: Trajectory) -> T
     return adapter.velocity(point.model_input, point.sigma, sub.embeds, point.guidance).float()
 
 
-def velocity_kl(adapter: PipelineAdapter, beta: float, point: NoisedPoint, sub: Trajectory, v: Tensor) -> Tensor:
-    """β > 0: mean |v - v_ref|² to the adapter-disabled model at the same point (one forward without gradient); else
-    0 without a forward."""
+def reference_velocity(adapter: PipelineAdapter, point: NoisedPoint, sub: Trajectory) -> Tensor:
+    """The adapter-disabled (reference) model's velocity at ``point`` (fp32), without gradient."""
+    with torch.no_grad(), adapter.adapter_disabled():
+        return velocity(adapter, point, sub)
+
+
+def velocity_kl(
+    adapter: PipelineAdapter,
+    beta: float,
+    point: NoisedPoint,
+    sub: Trajectory,
+    v: Tensor,
+    reference: Tensor | None = None,
+) -> Tensor:
+    """β > 0: mean |v - v_ref|² to the adapter-disabled model at the same point (one forward without gradient, or
+    ``reference`` when the caller has it already); else 0 without a forward."""
     if beta <= 0:
         return torch.zeros((), device=v.device)
-    with torch.no_grad(), adapter.adapter_disabled():
-        reference = velocity(adapter, point, sub)
+    if reference is None:
+        reference = reference_velocity(adapter, point, sub)
     return (v - reference).pow(2).flatten(1).mean(dim=1).mean()
+
+
+def flow_matching_error(v: Tensor, point: NoisedPoint) -> Tensor:
+    """Per sample ([B]): the rectified-flow loss mean |v - (ε - x0)|² over the latent's elements."""
+    return (v - (point.noise - point.clean)).pow(2).flatten(1).mean(dim=1)
+
+
+class Compared(NamedTuple):
+    """One loss term against a reference model: the point, the velocity being trained (with gradient), the
+    reference's (without), and both per-sample flow-matching errors ([B])."""
+
+    point: NoisedPoint
+    velocity: Tensor
+    reference: Tensor
+    error: Tensor
+    reference_error: Tensor
+
+
+def compare_to_reference(
+    adapter: PipelineAdapter,
+    settings: ForwardProcessConfig,
+    sub: Trajectory,
+    generator: torch.Generator | None,
+    share: Tensor | None = None,
+    reference_weights: OldWeights | None = None,
+) -> Compared:
+    """A fresh (σ, ε) per ``share`` id (:func:`noised_point`), the velocity being trained, and the reference's at the
+    same point: the adapter-disabled model, or the weights ``reference_weights`` holds, swapped in for one forward
+    (before the forward that builds the graph, as :class:`~.nft.OldWeights` requires)."""
+    point = noised_point(adapter, settings, sub, generator, share)
+    if reference_weights is None:
+        reference = reference_velocity(adapter, point, sub)
+    else:
+        with torch.no_grad(), reference_weights.swapped_in():
+            reference = velocity(adapter, point, sub)
+    v = velocity(adapter, point, sub)
+    return Compared(point, v, reference, flow_matching_error(v, point), flow_matching_error(reference, point))
+
+
+class ForwardProcessObjective(Objective):
+    """Base of the objectives that train on the forward process of the final samples: the plain ODE rollout,
+    ``grpo.<name>.timesteps`` terms per sample (each a fresh σ, ε), and :func:`check_forward_process`'s refusals
+    (subclasses extend :meth:`validate` with their own settings')."""
+
+    config_class: ClassVar[type] = ForwardProcessConfig
+    rollout: ClassVar[str] = "ode"
+
+    @classmethod
+    def validate(cls, config: Config) -> None:
+        check_forward_process(config, cls.name)
+
+    def steps(self, trajectory: Trajectory) -> int:  # noqa: ARG002 (a setting, whatever was sampled)
+        return self.settings.timesteps
 
 
 def check_forward_process(config: Config, name: str) -> None:

@@ -35,13 +35,12 @@ import torch
 from torch import Tensor
 
 from ..checks import check_range
-from .base import MicroBatch, Objective, register_objective
-from .forward import ForwardProcessConfig, check_forward_process, noised_point, velocity, velocity_kl
+from .base import MicroBatch, register_objective
+from .forward import ForwardProcessConfig, ForwardProcessObjective, noised_point, velocity, velocity_kl
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
     from ..config import Config
-    from ..rollout import Trajectory
 
 
 @dataclass
@@ -85,11 +84,10 @@ def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:
 
 
 @register_objective("nft")
-class NFT(Objective):
+class NFT(ForwardProcessObjective):
     """DiffusionNFT's negative-aware loss; the old weights are the trainable weights as the epoch's training began."""
 
     config_class: ClassVar[type] = NFTConfig
-    rollout: ClassVar[str] = "ode"
     refuses_sharded: ClassVar[str | None] = (
         "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
         "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
@@ -101,12 +99,9 @@ class NFT(Objective):
 
     @classmethod
     def validate(cls, config: Config) -> None:
-        check_forward_process(config, cls.name)
+        super().validate(config)
         check_range("grpo.nft.beta", config.grpo.nft.beta, 0, low_open=True)
         check_range("grpo.nft.adv_clip_max", config.grpo.nft.adv_clip_max, 0, low_open=True)
-
-    def steps(self, trajectory: Trajectory) -> int:  # noqa: ARG002 (a setting, whatever was sampled)
-        return self.settings.timesteps
 
     def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
         self.old_weights = OldWeights(params)

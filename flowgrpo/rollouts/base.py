@@ -27,7 +27,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..checks import one_of
-from ..data import epoch_plan, rank_slice
+from ..data import epoch_plan, rank_groups, rank_slice
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
@@ -60,10 +60,12 @@ class RolloutContext:
 
     def epoch_slots(self, epoch: int) -> list[EpochSample]:
         """This process's (prompt, group) slots of the epoch: ``grpo.groups_per_epoch`` prompts drawn from
-        ``(run.seed, epoch)``, ``grpo.group_size`` images each, dealt over processes."""
+        ``(run.seed, epoch)``, ``grpo.group_size`` images each, dealt over processes (in whole groups when the
+        objective compares a group's images)."""
         g = self.config.grpo
         plan = epoch_plan(len(self.data), g.group_size, g.groups_per_epoch, seed=self.config.run.seed, epoch=epoch)
-        return rank_slice(plan, self.rank, self.num_processes)
+        deal = rank_groups if self.objective.needs_whole_groups(self.config) else rank_slice
+        return deal(plan, self.rank, self.num_processes)
 
 
 @dataclass
