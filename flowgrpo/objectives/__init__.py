@@ -5,11 +5,15 @@
 - ``nft`` (:mod:`.nft`): DiffusionNFT's negative-aware loss on the same noised samples.
 - ``flash`` (:mod:`.flash`): Flash-GRPO's single-step clipped ratio with temporal gradient rectification.
 - ``tempflow`` (:mod:`.tempflow`): TempFlow-GRPO's noise-aware weights on the clipped per-step loss.
+- ``dgpo`` (:mod:`.dgpo`): DGPO's group-level preference (DPO over a group's better and worse images) on the noised
+  final samples.
+- ``dpo`` (:mod:`.dpo`): online Diffusion-DPO on each group's best and worst image.
+- ``sft`` (:mod:`.sft`): online SFT / RAFT, the flow-matching loss on each group's best images.
 
 Add one with :func:`register_objective` on an :class:`Objective` subclass (see :mod:`.base`).
 """
 
-from . import awm, clipped, flash, guard, nft, tempflow  # noqa: F401  (register the built-in objectives)
+from . import awm, clipped, dgpo, dpo, flash, guard, nft, sft, tempflow  # noqa: F401  (register the built-ins)
 from .base import (
     OBJECTIVES,
     MicroBatch,
