@@ -22,7 +22,13 @@ import yaml
 
 from samplers import DIFFUSIONS, KL_CONVENTIONS, LOG_PROBS, SDE_KINDS, SOLVERS, STRATEGIES
 
-from .adapters.registry import FamilyNames, available_families
+from .adapters.registry import (
+    FAMILY_OPTIONS,
+    FamilyNames,
+    available_families,
+    families_with_option,
+    family_option_error,
+)
 from .advantages import available_advantage_estimators, estimator_sections, validate_estimator
 from .checks import ConfigError, check_num_frames, check_range, one_of
 from .objectives import get_objective, objective_sections
@@ -88,6 +94,9 @@ class ModelConfig:
     num_frames: int | None = None  # video models (wan) only: frames per clip, 4k + 1 (the Wan VAE keeps the first
     #                                frame and packs every 4 after it into one latent frame); null: the pipeline's
     #                                default, 81. Image models: leave null
+    source_area: int = 1024 * 1024  # qwenimage-edit only: the source image is sized to about this many pixels at its
+    #                                 aspect ratio, calculate_dimensions(source_area, W / H), for the Qwen2.5-VL and
+    #                                 the VAE alike: QwenImageEditPipeline's 1024² (as Flow-GRPO). Tiny models: 1024
 
 
 @dataclass
@@ -588,6 +597,7 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"model.kind={config.model.kind} generates images; set model.num_frames: null"
             )
         check_num_frames(config.model.num_frames)
+    _check_family_options(config.model)
     one_of("model.dtype", config.model.dtype, ("bf16", "fp16", "fp32"))
     one_of("model.attention", config.model.attention, ("sdpa", "xformers"))
     one_of("sampler.kind", s.kind, SDE_KINDS)
@@ -655,6 +665,17 @@ def validate(config: Config, world_size: int = 1) -> None:
         )
     if config.model.resolution % 16:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
+
+
+def _check_family_options(model: ModelConfig) -> None:
+    """Some families' own options (``FAMILY_OPTIONS``): their ranges, and refused for another named ``model.kind``
+    before the model loads (with ``auto``, ``make_adapter`` refuses them once the pipeline is known)."""
+    check_range("model.source_area", model.source_area, 32 * 32, why="calculate_dimensions rounds sides to 32")
+    defaults = ModelConfig()
+    for option in FAMILY_OPTIONS:
+        value = getattr(model, option)
+        if value != getattr(defaults, option) and model.kind not in ("auto", *families_with_option(option)):
+            raise family_option_error(option, value, model.kind)
 
 
 VIDEO_KINDS = FamilyNames(video=True)  # model kinds that generate clips (model.num_frames), from the registry

@@ -30,8 +30,8 @@ Key sizes (see ``TINY_SIZES``):
   (same seeds) with a Qwen2.5-VL that also reads the source image (vision tower: patch 2, 2x2 merge, hidden 16) through
   a ``Qwen2VLProcessor`` built here (images of 16² to 64² pixels at their own size, larger ones scaled down); its BPE
   also knows the edit template, whose system part is 64 tokens as with the real tokenizer (the pipeline drops 64).
-  Its ``pipe()`` sizes the source to about 1024² pixels whatever the output size (slow at tiny sizes; see
-  ``flowgrpo.adapters.qwenimage_edit`` for matching it at the generated size).
+  Its ``pipe()`` sizes the source to about 1024² pixels whatever the output size, slow at tiny sizes: the tiny demo
+  sets ``model.source_area: 1024`` (32²), and tests swap that area into ``pipe()``'s ``calculate_dimensions``.
 - Wan2.1 (``wan``, a ``WanPipeline``, text-to-video): an ``AutoencoderKLWan`` with z_dim 4 (the first 4 of the real
   latents_mean / latents_std), two down-sampling stages that both halve time too -> spatial factor 4, temporal factor
   4 as the real VAE (``num_frames = 4k + 1``: 5 frames are 2 latent frames); a ``WanTransformer3DModel`` with patch

@@ -184,8 +184,8 @@ def test_awm_without_cfg_families_keeps_the_rollouts_guidance(monkeypatch):
 def test_awm_trains_every_lora_weight_of_the_other_families(kind):
     """Packed (FLUX, Qwen), source-conditioned (editing) and video latents: the loss and its KL are finite and reach
     every adapter weight (SD3 and FLUX: the tests above)."""
-    frames = {"num_frames": 5} if kind == "wan" else {}
-    adapter = _with_lora(make_adapter(build_tiny_pipeline(kind, seed=0), **frames))
+    options = {"wan": {"num_frames": 5}, "qwenimage-edit": {"source_area": 32 * 32}}.get(kind, {})  # tiny sizes
+    adapter = _with_lora(make_adapter(build_tiny_pipeline(kind, seed=0), **options))
     edit = kind in ("flux-kontext", "qwenimage-edit")
     sources = [str(ROOT / "configs" / "prompts" / "edit_images" / f"{n}.png") for n in ("red_square", "blue_circle")]
     sampler = SamplerConfig(noise_level=0.0, num_steps=3, guidance_scale=2.5)

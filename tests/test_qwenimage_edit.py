@@ -25,22 +25,29 @@ from flowgrpo.rollout import evaluate_transitions, rollout
 from flowgrpo.tiny import build_tiny_pipeline, tiny_qwen_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny_qwenimage_edit.yaml"
 NEGATIVE = " "  # Flow-GRPO's negative prompt for Qwen-Image(-Edit)
 GROUPS = [0, 1, 0, 2]  # PROMPTS / SOURCES: rows 0 and 2 are the same pair
+TINY_AREA = 32 * 32  # the tiny model's source area (model.source_area; configs/tiny_qwenimage_edit.yaml) for 1024²
 
 
 def _adapter() -> QwenImageEditAdapter:
-    adapter = make_adapter(build_tiny_pipeline("qwenimage-edit"), negative_prompt=NEGATIVE)
+    adapter = make_adapter(build_tiny_pipeline("qwenimage-edit"), negative_prompt=NEGATIVE, source_area=TINY_AREA)
     assert type(adapter) is QwenImageEditAdapter
     return adapter
 
 
 def _pipe_images(pipe, monkeypatch, sources, prompts, latents, *, steps, cfg, height=SIZE, width=SIZE):
     """diffusers' own QwenImageEditPipeline, one (prompt, source) at a time, given each source resized to the output
-    size. pipe() sizes the source to calculate_dimensions(1024², ratio); the adapter (as Flow-GRPO's pipeline) to
-    calculate_dimensions(height · width, ratio): swap in that area (the only change; both then resize identically)."""
+    size. pipe() sizes the source to calculate_dimensions(1024², ratio) whatever the output size, slow at tiny sizes:
+    the tiny adapter's area replaces 1024² there (the only change; both then size and resize identically)."""
     original = edit_module.calculate_dimensions
-    monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: original(height * width, ratio))
+
+    def tiny_area(area, ratio):
+        assert area == 1024 * 1024  # what pipe() asks for, whatever the output size
+        return original(TINY_AREA, ratio)
+
+    monkeypatch.setattr(edit_module, "calculate_dimensions", tiny_area)
     images = [
         pipe(
             image=open_image(source).resize((width, height)),
@@ -101,9 +108,9 @@ def test_noise_free_rollout_reproduces_qwenimage_edit_pipe(monkeypatch, steps, c
         sources=[str(s) for s in SOURCES],
     )
     torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
-    # Sources as Flow-GRPO sizes them: 32x32 for 32x32 images; 64 rows x 32 for 48x32 (calculate_dimensions rounds
-    # to multiples of 32), so the two img_shapes entries differ there.
-    source_size = (64, 32) if height == 48 else (32, 32)
+    # Sources as pipe() sizes them, by the area alone: 32x32 for 32x32 and for 48x32 images too (not the 64x32 that
+    # an area of H·W gives), so the two img_shapes entries differ there.
+    source_size = (32, 32)
     assert traj.source_images.shape == (4, 3, *source_size) and adapter.source_size(height, width) == source_size
     assert traj.embeds.source_latents.shape == (4, source_size[0] * source_size[1] // 16, 16)
     assert (traj.embeds.negative_embeds is not None) == (cfg > 1)
@@ -112,6 +119,31 @@ def test_noise_free_rollout_reproduces_qwenimage_edit_pipe(monkeypatch, steps, c
         adapter.pipe, monkeypatch, SOURCES[::-1], PROMPTS, latents, steps=steps, cfg=cfg, height=height, width=width
     )
     assert (other - expected).abs().max() > 1e-4
+
+
+def test_sources_are_sized_to_the_pipelines_area_whatever_the_output_size():
+    """QwenImageEditPipeline sizes the source (for its text encoder and its VAE alike) to calculate_dimensions(1024²,
+    ratio), and so does Flow-GRPO since "fix qwen image edit resolution": the adapter's default, refused if too small
+    for the ratio, and model.source_area reaches the adapter only for qwenimage-edit."""
+    from flowgrpo.adapters import build_adapter
+    from flowgrpo.checks import ConfigError
+
+    adapter = make_adapter(build_tiny_pipeline("qwenimage-edit"))
+    for height, width in ((32, 32), (32, 48), (48, 32), (512, 512), (512, 768)):
+        pipe_width, pipe_height, _ = edit_module.calculate_dimensions(1024 * 1024, width / height)
+        assert adapter.source_size(height, width) == (pipe_height, pipe_width)
+    assert adapter.source_size(512, 768) == (832, 1248)
+    with pytest.raises(ValueError, match="model.source_area=1024 rounds a 32x128 output's source to 0x64 pixels"):
+        _adapter().source_size(32, 128)
+    tiny = load_config(TINY).model
+    assert tiny.source_area == TINY_AREA and build_adapter(tiny).source_size(48, 32) == (32, 32)
+    refused = "model.source_area=1024 is an option of qwenimage-edit only, but the model is qwenimage"
+    with pytest.raises(ConfigError, match=refused + r" \(QwenImagePipeline\): remove model.source_area"):
+        make_adapter(build_tiny_pipeline("qwenimage"), source_area=TINY_AREA)
+    with pytest.raises(ConfigError, match=refused):
+        load_config(TINY, ["model.kind=qwenimage"])
+    with pytest.raises(ConfigError, match="model.source_area must be >= 1024"):
+        load_config(TINY, ["model.source_area=512"])
 
 
 @pytest.mark.parametrize(
@@ -208,7 +240,7 @@ def test_qwenimage_edit_demo_trains_and_exports_to_plain_diffusers(tmp_path, mon
     base = tmp_path / "base"
     build_tiny_pipeline("qwenimage-edit").save_pretrained(str(base))
     config = load_config(
-        ROOT / "configs" / "tiny_qwenimage_edit.yaml",
+        TINY,
         [
             f"run.output_dir={tmp_path / 'runs'}",
             "run.progress=false",

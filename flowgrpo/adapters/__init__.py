@@ -19,11 +19,14 @@ from .kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter
 from .registry import (
+    FAMILY_OPTIONS,
     FamilySpec,
+    adapter_options,
     available_families,
     families,
     family,
     family_of_pipeline,
+    family_option_error,
     register_family,
     unregister_family,
     unsupported_pipeline_message,
@@ -51,6 +54,10 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
     options = {} if model.max_sequence_length is None else {"max_sequence_length": model.max_sequence_length}
     if model.num_frames is not None:  # video families; make_adapter refuses it for an image pipeline
         options["num_frames"] = model.num_frames
+    defaults = type(model)()
+    for option in FAMILY_OPTIONS:  # some families' own options, when set; make_adapter refuses them for the others
+        if getattr(model, option) != getattr(defaults, option):
+            options[option] = getattr(model, option)
     adapter = make_adapter(pipe, negative_prompt=model.negative_prompt, **options)
     adapter.check_size(model.resolution, model.resolution)
     adapter.set_attention_backend(model.attention)
@@ -66,7 +73,8 @@ def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
 
     A subclass or sibling of a supported pipeline (e.g. ``FluxFillPipeline``, ``FluxControlPipeline``,
     ``FluxKontextInpaintPipeline``, ``Flux2Pipeline``, ``WanImageToVideoPipeline``) is refused with the list of
-    supported classes; ``num_frames`` is refused for an image family (None is dropped)."""
+    supported classes; ``num_frames`` is refused for an image family (None is dropped), and another option the
+    family's adapter does not take (``true_cfg_scale`` but for FLUX, ...) with a :class:`ConfigError`."""
     spec = family_of_pipeline(pipe)
     if spec is None:
         raise ValueError(unsupported_pipeline_message(pipe))
@@ -76,6 +84,9 @@ def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
             f"model.num_frames is for video pipelines ({videos}), but {type(pipe).__name__} generates "
             "images: set model.num_frames: null"
         )
+    unknown = sorted(set(kwargs) - adapter_options(spec.adapter))
+    if unknown:
+        raise family_option_error(unknown[0], kwargs[unknown[0]], f"{spec.name} ({type(pipe).__name__})")
     return spec.adapter(pipe, **kwargs)
 
 

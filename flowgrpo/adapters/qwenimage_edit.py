@@ -9,13 +9,14 @@ concatenated after the noisy latents at every step, and the output is cut back t
 else is Qwen-Image's (:class:`QwenImageAdapter`): the schedule's dynamic shift from the generated token count only,
 true CFG with the negative prompt (read with the same source image) and the norm rescale, decoding.
 
-Source size. ``pipe()`` resizes the source to ``calculate_dimensions(1024², aspect ratio)`` whatever the output size.
-Flow-GRPO's ``train_qwenimage_edit.py`` resizes every source to the training resolution first (``ref_image.resize``,
-bicubic) and its ``pipeline_with_logprob`` sizes it with ``calculate_dimensions(height · width, ratio)`` instead; this
-adapter does the same (:meth:`source_size`: the generated size rounded to multiples of 32), so every source of a batch
-has the same size. A rollout then equals ``pipe(image=<the source resized to W x H>, height=H, width=W)`` with the area
-``H · W`` in place of ``1024²`` in ``calculate_dimensions`` (tests/test_qwenimage_edit.py swaps it so), and plain
-``pipe()`` as it is whenever ``H · W = 1024²`` (e.g. 1024x1024).
+Source size. As ``pipe()`` (and Flow-GRPO's current ``pipeline_with_logprob`` / ``compute_log_prob``), the source
+is sized to ``calculate_dimensions(1024², aspect ratio)`` (multiples of 32) whatever the output size, and the text
+encoder reads it at that same size (this pipeline has one source size; Edit-Plus has two). Flow-GRPO's
+``train_qwenimage_edit.py`` first resizes every source to the training resolution (``ref_image.resize``, bicubic), so
+the ratio is the output's and every source of a batch has the same size; this adapter does the same
+(:meth:`source_size`). A rollout then equals ``pipe(image=<the source resized to W x H>, height=H, width=W)``.
+``source_area`` (``model.source_area``) replaces 1024²: for tiny test models only, whose ``pipe()`` is matched by
+swapping the area in ``calculate_dimensions`` (tests/test_qwenimage_edit.py).
 
 The text encoder gets the sized source as a PIL image, as ``pipe()`` gives it (Flow-GRPO's pipeline hands it the
 [-1, 1] tensor instead). ``max_sequence_length`` is checked but, as in ``pipe()``, nothing is truncated.
@@ -35,6 +36,8 @@ from .base import PromptEmbeds, image_size_rows
 from .qwenimage import QwenImageAdapter, _pad_rows
 from .registry import FamilySpec, register_family
 
+SOURCE_AREA = 1024 * 1024  # QwenImageEditPipeline.__call__: calculate_dimensions(1024 * 1024, ratio) for the source
+
 
 class QwenImageEditAdapter(QwenImageAdapter):
     """``QwenImageEditPipeline``. Needs a source image per prompt (:meth:`encode_conditions` with ``sources``);
@@ -46,18 +49,23 @@ class QwenImageEditAdapter(QwenImageAdapter):
     # Flow-GRPO's train_qwenimage_edit.py trains the same twelve Linear layers as its Qwen-Image script.
     default_lora_targets = QwenImageAdapter.default_lora_targets
 
-    def __init__(self, pipe: Any, **options: Any) -> None:
+    def __init__(self, pipe: Any, *, source_area: int = SOURCE_AREA, **options: Any) -> None:
         super().__init__(pipe, **options)
+        self.source_area = source_area  # pixels of the source image as the model sees it (pipe(): 1024²)
         self._pair_cache: dict[tuple[str, str, int, int], Tensor] = {}  # (prompt, image key, H, W) -> [L, D]
 
     # ------------------------------------------------------------------ the source image
-    @staticmethod
-    def source_size(height: int, width: int) -> tuple[int, int]:
-        """``(h, w)`` of the source for a ``height`` x ``width`` output: ``calculate_dimensions(height · width,
-        width / height)`` (Flow-GRPO's sizing; multiples of 32 near the output size)."""
+    def source_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(h, w)`` of the source for a ``height`` x ``width`` output: ``calculate_dimensions(source_area,
+        width / height)``, as ``pipe()`` sizes it (1024²: ``source_size(512, 768) == (832, 1248)``)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions  # heavy: on use
 
-        w, h, _ = calculate_dimensions(height * width, width / height)
+        w, h, _ = calculate_dimensions(self.source_area, width / height)
+        if h <= 0 or w <= 0:
+            raise ValueError(
+                f"qwenimage-edit: model.source_area={self.source_area} rounds a {height}x{width} output's source to "
+                f"{int(h)}x{int(w)} pixels (multiples of 32): use a larger area (pipe(): 1024² = {SOURCE_AREA})"
+            )
         return int(h), int(w)
 
     def _source_image(self, image: Image.Image, height: int, width: int) -> Image.Image:

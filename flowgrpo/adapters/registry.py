@@ -20,10 +20,13 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ..checks import ConfigError
 
 if TYPE_CHECKING:
     from .base import PipelineAdapter
@@ -181,6 +184,32 @@ class FamilyNames(Sequence[str]):
         return repr(self._names())
 
 
+# ``model.*`` keys that only some families' adapters take (as ``__init__`` keywords): ``build_adapter`` hands one on
+# when it differs from its default, and a family whose adapter lacks it refuses it (:func:`family_option_error`).
+FAMILY_OPTIONS = ("source_area",)
+
+
+def adapter_options(adapter: type) -> frozenset[str]:
+    """The keyword-only ``__init__`` options of an adapter class, its bases' included (a subclass such as
+    FluxKontextAdapter hands ``**options`` on to its base)."""
+    inits = [vars(cls)["__init__"] for cls in adapter.__mro__ if "__init__" in vars(cls)]
+    params = [p for init in inits for p in inspect.signature(init).parameters.values()]
+    return frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+
+
+def families_with_option(option: str) -> tuple[str, ...]:
+    """The registered families whose adapter takes ``option`` (:func:`adapter_options`)."""
+    return tuple(spec.name for spec in families() if option in adapter_options(spec.adapter))
+
+
+def family_option_error(option: str, value: Any, family: str) -> ConfigError:
+    """``model.<option>`` set for a family whose adapter does not take it."""
+    takers = ", ".join(families_with_option(option)) or "no registered family"
+    return ConfigError(
+        f"model.{option}={value} is an option of {takers} only, but the model is {family}: remove model.{option}"
+    )
+
+
 def family_of_pipeline(pipe: Any) -> FamilySpec | None:
     """The family whose adapter drives exactly ``type(pipe)``; None for anything else (subclasses and siblings too)."""
     return next((spec for spec in families() if spec.drives(pipe)), None)
@@ -228,14 +257,18 @@ def _resolve(ref: str | type, missing_ok: bool = False) -> Any:
 
 
 __all__ = [
+    "FAMILY_OPTIONS",
     "FamilyNames",
     "FamilySpec",
     "TinyBuilder",
+    "adapter_options",
     "available_families",
     "families",
     "family",
     "family_of_class_name",
+    "family_option_error",
     "family_of_pipeline",
+    "families_with_option",
     "register_family",
     "supported_pipelines",
     "unregister_family",
