@@ -40,6 +40,18 @@ def check_range(
     raise ConfigError(f"{key} must {'' if high is not None else 'be '}{bound}{f' ({why})' if why else ''}, got {value}")
 
 
+def check_true_cfg(scale: float, negative_prompt: str) -> None:
+    """``model.true_cfg_scale`` (FLUX's true CFG, diffusers' ``true_cfg_scale``): 1 is off; above 1 it guides away
+    from ``model.negative_prompt``, which must then be set: ``FluxPipeline`` does true CFG only with a negative prompt
+    and would silently sample without it, and the empty default here means none."""
+    check_range("model.true_cfg_scale", scale, 1, why="1 is off, as in pipe()")
+    if scale > 1 and not negative_prompt:
+        raise ConfigError(
+            f"model.true_cfg_scale={scale} guides away from a negative prompt, but model.negative_prompt is empty: "
+            'set model.negative_prompt (e.g. " ", or "blurry, low quality"), or model.true_cfg_scale: 1'
+        )
+
+
 def one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
     if value not in allowed:
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)

@@ -30,9 +30,10 @@ from .adapters.registry import (
     family_option_error,
 )
 from .advantages import available_advantage_estimators, estimator_sections, validate_estimator
-from .checks import ConfigError, check_num_frames, check_range, one_of
+from .checks import ConfigError, check_num_frames, check_range, check_true_cfg, one_of
 from .objectives import get_objective, objective_sections
 from .objectives.base import check_whole_groups
+from .objectives.forward import ForwardProcessConfig
 from .rollouts import get_rollout, rollout_sections
 
 
@@ -88,7 +89,12 @@ class ModelConfig:
     #                        all run compiled, so the on-policy ratio stays exactly 1. Costs a compile per graph (grad
     #                        mode × train/eval × adapter on/off) in the first epoch: seconds on a GPU, minutes on a CPU.
     #                        Single process and DDP; not with DeepSpeed or FSDP (they wrap the module themselves)
-    negative_prompt: str = ""  # for CFG (SD3; Qwen-Image's true CFG, where Flow-GRPO uses " ")
+    negative_prompt: str = ""  # for CFG (SD3; Qwen-Image's true CFG, where Flow-GRPO uses " "; FLUX's true CFG)
+    true_cfg_scale: float = 1.0  # flux / flux-kontext only: FluxPipeline's true_cfg_scale. 1: off (the presets;
+    #                              FLUX.1-dev is guidance-distilled: its guidance, sampler / eval.guidance_scale, is
+    #                              an input of the network). Above 1: every forward (rollout, re-scoring, evaluation)
+    #                              adds one on model.negative_prompt (then required), neg + s·(cond − neg), as
+    #                              pipe(true_cfg_scale=s, negative_prompt=...)
     max_sequence_length: int | None = None  # T5 / Qwen2.5-VL tokens (null: the family's default, SD3 256, FLUX and
     #                                         Qwen-Image 512; shapes-sd3: 16)
     num_frames: int | None = None  # video models (wan) only: frames per clip, 4k + 1 (the Wan VAE keeps the first
@@ -597,7 +603,7 @@ def validate(config: Config, world_size: int = 1) -> None:
                 f"model.kind={config.model.kind} generates images; set model.num_frames: null"
             )
         check_num_frames(config.model.num_frames)
-    _check_family_options(config.model)
+    _check_family_options(config)
     one_of("model.dtype", config.model.dtype, ("bf16", "fp16", "fp32"))
     one_of("model.attention", config.model.attention, ("sdpa", "xformers"))
     one_of("sampler.kind", s.kind, SDE_KINDS)
@@ -667,10 +673,20 @@ def validate(config: Config, world_size: int = 1) -> None:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
 
 
-def _check_family_options(model: ModelConfig) -> None:
+def _check_family_options(config: Config) -> None:
     """Some families' own options (``FAMILY_OPTIONS``): their ranges, and refused for another named ``model.kind``
     before the model loads (with ``auto``, ``make_adapter`` refuses them once the pipeline is known)."""
+    model, grpo = config.model, config.grpo
     check_range("model.source_area", model.source_area, 32 * 32, why="calculate_dimensions rounds sides to 32")
+    check_true_cfg(model.true_cfg_scale, model.negative_prompt)
+    fit = getattr(grpo, grpo.objective, None)
+    if model.true_cfg_scale > 1 and isinstance(fit, ForwardProcessConfig) and not fit.cfg:
+        key = f"grpo.{grpo.objective}.cfg"
+        raise ConfigError(
+            f"{key}=false fits the unguided velocity, but model.true_cfg_scale={model.true_cfg_scale} guides every "
+            f"forward, the fits too; set {key}: true (fit the velocity the rollout sampled with), or "
+            "model.true_cfg_scale: 1"
+        )
     defaults = ModelConfig()
     for option in FAMILY_OPTIONS:
         value = getattr(model, option)

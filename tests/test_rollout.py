@@ -311,6 +311,62 @@ def test_bf16_weights_fp32_vae_and_exact_rescoring():
     assert torch.equal(again.log_prob, traj.log_probs[:, 1])  # same batch, precision and timesteps: ratio 1
 
 
+@pytest.mark.parametrize("family", ["flux", "flux-kontext"])
+def test_flux_true_cfg_reproduces_pipe_and_rescores_exactly(family):
+    """model.true_cfg_scale > 1: FluxPipeline's (and FluxKontextPipeline's) true CFG, a second forward on the negative
+    prompt, neg + s·(cond − neg), on top of the guidance embedding, in rollouts and re-scoring alike."""
+    negative, scale = "blurry, low quality", 3.0
+    adapter = make_adapter(build_tiny_pipeline(family), negative_prompt=negative, true_cfg_scale=scale)
+    red = Image.new("RGB", (SIZE, SIZE), (200, 30, 30))
+    edit = family == "flux-kontext"
+    sources = {"sources": [red] * len(PROMPTS)} if edit else {}
+    latents = adapter.initial_noise(len(PROMPTS), SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+
+    def pipe(**guidance):
+        kontext = {"image": [red] * len(PROMPTS), "max_area": SIZE * SIZE, "_auto_resize": False} if edit else {}
+        size = {"height": SIZE, "width": SIZE, "output_type": "pt", **kontext}
+        steps = {"num_inference_steps": 4, "guidance_scale": 3.5, **guidance}
+        return adapter.pipe(prompt=PROMPTS, latents=latents.clone(), **steps, **size).images
+
+    expected = pipe(negative_prompt=negative, true_cfg_scale=scale)
+    sampler = SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=3.5)
+    args = (adapter, PROMPTS, [0, 1, 1, 2], sampler, range(0, 3))
+    traj = rollout(*args, height=SIZE, width=SIZE, initial_latents=latents, **sources)
+    torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
+    assert traj.embeds.negative_embeds is not None and (pipe() - expected).abs().max() > 1e-4  # it really guides
+    sampler = SamplerConfig(noise_level=0.7, num_steps=4, guidance_scale=3.5)
+    traj = rollout(
+        *args[:3], sampler, range(0, 3), torch.Generator().manual_seed(1), height=SIZE, width=SIZE, **sources
+    )
+    for j in range(traj.num_trained_steps):
+        with torch.no_grad():
+            assert torch.equal(evaluate_transitions(adapter, traj, j, sampler).log_prob, traj.log_probs[:, j])
+
+
+def test_true_cfg_is_refused_where_it_cannot_work():
+    """True CFG without a negative prompt (FluxPipeline would silently skip it), below 1, on a family without it
+    (SD3 / Qwen-Image guide by sampler.guidance_scale), or with a forward-process fit of the unguided velocity."""
+    from flowgrpo.adapters import build_adapter
+
+    kontext = "configs/tiny_flux_kontext.yaml"
+    with pytest.raises(ConfigError, match="model.true_cfg_scale=3.0 guides away from a negative prompt, but model.neg"):
+        make_adapter(build_tiny_pipeline("flux"), true_cfg_scale=3.0)
+    with pytest.raises(ConfigError, match=r"model.true_cfg_scale must be >= 1 \(1 is off, as in pipe\(\)\), got 0.5"):
+        load_config(kontext, ["model.true_cfg_scale=0.5", "model.negative_prompt=x"])
+    with pytest.raises(ConfigError, match="set model.negative_prompt"):
+        load_config(kontext, ["model.true_cfg_scale=2"])
+    refused = "model.true_cfg_scale=2.0 is an option of flux, flux-kontext only, but the model is "
+    with pytest.raises(ConfigError, match=refused + r"qwenimage \(QwenImagePipeline\)"):
+        make_adapter(build_tiny_pipeline("qwenimage"), negative_prompt="x", true_cfg_scale=2.0)
+    with pytest.raises(ConfigError, match=refused + "sd3: remove model.true_cfg_scale"):
+        load_config("configs/tiny_sd3.yaml", ["model.kind=sd3", "model.true_cfg_scale=2", "model.negative_prompt=x"])
+    with pytest.raises(ConfigError, match="grpo.awm.cfg=false fits the unguided velocity, but model.true_cfg_scale=2"):
+        load_config(kontext, ["model.true_cfg_scale=2", "model.negative_prompt=x", "grpo.objective=awm"])
+    guided = build_adapter(load_config(kontext, ["model.true_cfg_scale=2", 'model.negative_prompt=" "']).model)
+    assert guided.true_cfg_scale == 2.0 and guided.negative_prompt == " " and guided.needs_negative(1.0)
+    assert build_adapter(load_config(kontext).model).true_cfg_scale == 1  # the default: off
+
+
 def test_flux_without_guidance_embedding_like_schnell_matches_pipe_and_rescores_exactly():
     """FLUX.1-schnell's layout: no guidance embedding (the adapter passes guidance=None) and an unshifted schedule."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel

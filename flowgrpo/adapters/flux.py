@@ -1,4 +1,5 @@
-"""FLUX.1 adapter: CLIP (pooled) + T5 encoders, packed [B, (H/16)(W/16), 4C] latents, guidance embedding."""
+"""FLUX.1 adapter: CLIP (pooled) + T5 encoders, packed [B, (H/16)(W/16), 4C] latents, guidance embedding, and
+``FluxPipeline``'s optional true CFG with a negative prompt (``model.true_cfg_scale``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checks import check_true_cfg
 from .base import PipelineAdapter, PromptEmbeds
 from .registry import FamilySpec, register_family
 
@@ -31,9 +33,13 @@ class FluxAdapter(PipelineAdapter):
         "proj_mlp",
     )
 
-    def __init__(self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512) -> None:
+    def __init__(
+        self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512, true_cfg_scale: float = 1.0
+    ) -> None:
         super().__init__(pipe, negative_prompt=negative_prompt)
+        check_true_cfg(true_cfg_scale, negative_prompt)
         self.max_sequence_length = max_sequence_length
+        self.true_cfg_scale = true_cfg_scale  # pipe()'s true_cfg_scale (model.true_cfg_scale); 1: off
         # (rows, columns, first axis, device, dtype) of a packed token grid -> its [rows · columns, 3] positional ids
         self._grid_ids: dict[tuple[int, int, int, torch.device, torch.dtype], Tensor] = {}
 
@@ -79,27 +85,44 @@ class FluxAdapter(PipelineAdapter):
         *,
         timestep: Tensor | None = None,
     ) -> Tensor:
-        """Guidance-distilled: ``guidance_scale`` goes into the guidance embedding, one forward, no CFG."""
+        """Guidance-distilled: ``guidance_scale`` goes into the guidance embedding. With ``true_cfg_scale > 1``, as
+        ``pipe(true_cfg_scale=s, negative_prompt=...)``: a second forward on the negative prompt, ``neg + s·(cond −
+        neg)`` (on top of the guidance embedding)."""
         batch = latents.shape[0]
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(batch)
         # As FluxPipeline: the timestep is cast to the latents' dtype, then scaled to [0, 1].
-        timestep = self._timestep(sigma, batch, timestep).to(latents.dtype)
-        text = embeds.prompt_embeds
-        text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        timestep = self._timestep(sigma, batch, timestep).to(latents.dtype) / 1000
         hidden, image_ids = self._image_tokens(latents, embeds)
-        out = self.transformer(
+        generated = latents.shape[1]  # the output is cut back to the generated tokens (editing appends the source's)
+        cond = self._forward(hidden, image_ids, timestep, guidance, embeds.prompt_embeds, embeds.pooled)[:, :generated]
+        if not self.needs_negative(guidance_scale):
+            return cond
+        if embeds.negative_embeds is None:
+            raise ValueError("true_cfg_scale > 1 needs negative embeddings (encode_prompts with_negative=True)")
+        negative = self._forward(hidden, image_ids, timestep, guidance, embeds.negative_embeds, embeds.negative_pooled)
+        uncond = negative[:, :generated]
+        return uncond + self.true_cfg_scale * (cond - uncond)
+
+    def _forward(
+        self, hidden: Tensor, image_ids: Tensor, timestep: Tensor, guidance: Tensor | None, text: Tensor, pooled: Tensor
+    ) -> Tensor:
+        text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        return self.transformer(
             hidden_states=hidden,
-            timestep=timestep / 1000,
+            timestep=timestep,
             guidance=guidance,
-            pooled_projections=embeds.pooled,
-            encoder_hidden_states=embeds.prompt_embeds,
+            pooled_projections=pooled,
+            encoder_hidden_states=text,
             txt_ids=text_ids,
             img_ids=image_ids,
             return_dict=False,
         )[0]
-        return out[:, : latents.shape[1]]  # the generated image's tokens (an editing family appends its source's)
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        """True CFG, whatever the guidance embedding's scale."""
+        return self.true_cfg_scale > 1
 
     def _image_tokens(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, Tensor]:
         """The image-stream tokens ``[B, N, C]`` and their positional ids ``[N, 3]``: the latents alone (FLUX.1)."""

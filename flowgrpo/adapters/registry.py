@@ -186,7 +186,7 @@ class FamilyNames(Sequence[str]):
 
 # ``model.*`` keys that only some families' adapters take (as ``__init__`` keywords): ``build_adapter`` hands one on
 # when it differs from its default, and a family whose adapter lacks it refuses it (:func:`family_option_error`).
-FAMILY_OPTIONS = ("source_area",)
+FAMILY_OPTIONS = ("source_area", "true_cfg_scale")
 
 
 def adapter_options(adapter: type) -> frozenset[str]:
@@ -204,10 +204,9 @@ def families_with_option(option: str) -> tuple[str, ...]:
 
 def family_option_error(option: str, value: Any, family: str) -> ConfigError:
     """``model.<option>`` set for a family whose adapter does not take it."""
-    takers = ", ".join(families_with_option(option)) or "no registered family"
-    return ConfigError(
-        f"model.{option}={value} is an option of {takers} only, but the model is {family}: remove model.{option}"
-    )
+    takers = ", ".join(families_with_option(option))
+    where = f"an option of {takers} only, but the model is {family}" if takers else f"not an option of {family}"
+    return ConfigError(f"model.{option}={value} is {where}: remove model.{option}")
 
 
 def family_of_pipeline(pipe: Any) -> FamilySpec | None:
