@@ -201,12 +201,13 @@ def check_whole_groups(config: Config, world_size: int) -> None:
 
 
 def check_own_selection(config: Config) -> None:
-    """An objective that picks its own samples within each group (best and worst, the top k) replaces Flow-GRPO's
-    zero-advantage filter: refuse ``grpo.drop_zero_advantage``, which would do nothing."""
+    """An objective that trains whole groups or picks its own samples within each group (best and worst, the top k)
+    cannot take Flow-GRPO's zero-advantage filter, which drops single samples: refuse ``grpo.drop_zero_advantage``."""
     if config.grpo.drop_zero_advantage:
         raise ConfigError(
-            f"grpo.objective={config.grpo.objective} selects the samples it trains within each group, so "
-            "grpo.drop_zero_advantage=true does not apply; set grpo.drop_zero_advantage: false"
+            f"grpo.objective={config.grpo.objective} trains whole groups or picks its own samples within each group, "
+            "so grpo.drop_zero_advantage=true (which drops single samples) does not apply; set "
+            "grpo.drop_zero_advantage: false"
         )
 
 
