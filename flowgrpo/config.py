@@ -215,7 +215,7 @@ class AdvantageConfig:
 
 @dataclass
 class KLConfig:
-    """``grpo.kl:`` KL to the adapter-disabled model (objectives awm, nft: mean squared velocity difference)."""
+    """``grpo.kl:`` KL to the adapter-disabled model (objectives awm, nft, fpo: mean squared velocity difference)."""
 
     beta: float = 0.0  # 0 skips the reference forward entirely
     convention: str = "flowgrpo"  # exact | flowgrpo (std without sqrt(Δ), as Flow-GRPO's published β); clipped only
@@ -242,7 +242,8 @@ class GRPOConfig:
     objective: str = "clipped"  # clipped: the ratio of the stored SDE steps' log-probs (Flow-GRPO eq. 8) | awm: the
     #                             flow-matching loss on each final sample, weighted by its advantage (ODE rollouts:
     #                             sampler.noise_level 0) | nft: DiffusionNFT's negative-aware loss on the same noised
-    #                             samples | any registered objective (flowgrpo.objectives)
+    #                             samples | fpo: FPO's clipped ratio of flow-matching losses (an ELBO ratio) on them |
+    #                             any registered objective (flowgrpo.objectives)
 
     def __post_init__(self) -> None:
         _add_plugin_sections(self)  # grpo.<objective>: the registered objectives' settings

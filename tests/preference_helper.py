@@ -1,7 +1,8 @@
-"""What the tests of the objectives that compare images share (tests/test_dgpo.py, test_dpo.py, test_sft.py): the
-config on the tiny SD3 model, (σ, ε) drawn once per pair or group as flowgrpo.objectives.forward draws them, the
-trained and reference velocities by hand, a toy of errors that move with one parameter each, and a two-epoch run of
-a shapes preset through scripts/train.py."""
+"""What the tests of the objectives that compare images share (tests/test_dgpo.py, test_dpo.py, test_sft.py, and
+test_fpo.py, which compares each image with itself under the old weights): the config on the tiny SD3 model, (σ, ε)
+drawn once per pair or group as flowgrpo.objectives.forward draws them, the trained and reference velocities by hand,
+two gradients compared, a toy of errors that move with one parameter each, and a two-epoch run of a shapes preset
+through scripts/train.py."""
 
 from __future__ import annotations
 
@@ -62,6 +63,14 @@ def term_loss(objective, adapter, sub, advantages: torch.Tensor, seed: int = 7):
 
 def trainable(adapter) -> list[torch.nn.Parameter]:
     return [p for p in adapter.transformer.parameters() if p.requires_grad]
+
+
+def assert_same_gradients(got, want) -> None:
+    """Two gradients of the same forwards on the same tensors, reduced in another order: equal up to fp32 rounding
+    of a few ulp relative to each parameter's largest entry; and not all zero."""
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
+    assert any(b.abs().sum() > 0 for b in want)
 
 
 def toy_step(loss_of_errors, targets: list[float], lr: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:

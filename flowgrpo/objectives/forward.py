@@ -1,5 +1,5 @@
 """The forward process on the final samples, shared by the objectives that train there (``awm``, ``nft``, ``dgpo``,
-``dpo``, ``sft``).
+``dpo``, ``sft``, ``fpo``).
 
 Each loss term noises a sample's final latent x0 afresh, ``x_σ = (1 - σ) x0 + σ ε``, and evaluates the network at
 ``(x_σ, σ)``. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``, then shifted by

@@ -83,11 +83,10 @@ def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:
     return error.pow(2).mean(dim=1) / weight
 
 
-@register_objective("nft")
-class NFT(ForwardProcessObjective):
-    """DiffusionNFT's negative-aware loss; the old weights are the trainable weights as the epoch's training began."""
+class OldWeightsObjective(ForwardProcessObjective):
+    """Base of the forward-process objectives that compare with the old weights (``nft``, ``fpo``): the trainable
+    weights as each epoch's training begins, which the epoch's samples were drawn with (:class:`OldWeights`)."""
 
-    config_class: ClassVar[type] = NFTConfig
     refuses_sharded: ClassVar[str | None] = (
         "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
         "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
@@ -97,14 +96,21 @@ class NFT(ForwardProcessObjective):
         super().__init__(config)
         self.old_weights: OldWeights | None = None
 
+    def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
+        self.old_weights = OldWeights(params)
+
+
+@register_objective("nft")
+class NFT(OldWeightsObjective):
+    """DiffusionNFT's negative-aware loss; the old weights are the trainable weights as the epoch's training began."""
+
+    config_class: ClassVar[type] = NFTConfig
+
     @classmethod
     def validate(cls, config: Config) -> None:
         super().validate(config)
         check_range("grpo.nft.beta", config.grpo.nft.beta, 0, low_open=True)
         check_range("grpo.nft.adv_clip_max", config.grpo.nft.adv_clip_max, 0, low_open=True)
-
-    def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
-        self.old_weights = OldWeights(params)
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         return nft_loss(adapter, self.settings, self.config.grpo.kl.beta, batch, self.old_weights)
