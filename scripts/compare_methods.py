@@ -18,6 +18,9 @@ The table reports, per preset and budget: colour+count and exact gain (mean ± s
 seed's), colour+count pass@8, minutes on the budget's clock, epochs, images sampled and optimizer steps. A
 difference from the first preset is called within noise when it is smaller than twice its standard error,
 sqrt(s₁²/n₁ + s₂²/n₂).
+
+scripts/compare_samplers.py runs the same protocol on samplers: its runs carry their own overrides and names
+(``Run.overrides``, ``Run.name``) through :func:`measure`, :func:`gain_cells` and :func:`write_curves`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class Run:
     summary: dict[str, float] = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
     images_per_epoch: int = 0
+    overrides: list[str] = field(default_factory=list)  # this run's own, before the ones given to every run
+    name: str = ""  # the label of its table row and curve; default the preset's stem
+
+    @property
+    def label(self) -> str:
+        return self.name or _stem(self.preset)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,22 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args.presets = list(budgets_of)
     args.budgets = sorted({b for bs in budgets_of.values() for b in bs})
 
-    from flowgrpo.config import ConfigError, load_config
-
-    configs = {}
-    try:
-        for preset in args.presets:
-            configs[preset] = load_config(_preset_path(preset), args.overrides)
-            if configs[preset].train.lr_schedule != "constant":
-                raise ConfigError(
-                    f"{preset}: train.lr_schedule={configs[preset].train.lr_schedule} depends on run.epochs, "
-                    "which a time budget leaves open: compare with train.lr_schedule=constant"
-                )
-    except (ConfigError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.jobs < 1 or args.eval_samples < 1 or args.minutes <= 0:
-        print("error: --jobs and --eval-samples must be >= 1 and --minutes > 0", file=sys.stderr)
+    configs = load_budgeted({preset: (preset, args.overrides) for preset in args.presets}, args)
+    if configs is None:
         return 2
     work = Path(args.work)
     runs = [
@@ -96,44 +91,24 @@ def main(argv: list[str] | None = None) -> int:
         if b in budgets_of[p]
         for s in args.seeds
     ]
-    todo = [r for r in runs if _final_checkpoint(r.folder) is None]
-    print(f"{len(runs)} runs ({len(runs) - len(todo)} already done), {args.jobs} at a time")
-    with ProcessPoolExecutor(args.jobs) as pool:
-        failed = [
-            r
-            for r, rc in zip(
-                todo,
-                pool.map(
-                    _train, todo, [args.minutes] * len(todo), [args.overrides] * len(todo), [args.clock] * len(todo)
-                ),
-                strict=True,
-            )
-            if rc != 0
-        ]
-        if failed:
-            print(f"error: {len(failed)} runs failed, e.g. {failed[0].folder} (its train.log)", file=sys.stderr)
-            return 1
-        n = len(args.seeds)
-        evaluated = pool.map(
-            _evaluate_base,
-            [args.presets[0]] * n,
-            args.seeds,
-            [args.eval_samples] * n,
-            [args.overrides] * n,
-            [work] * n,
-        )
-        base = dict(zip(args.seeds, evaluated, strict=True))
-        summaries = list(pool.map(_evaluate_run, [r.folder for r in runs], [args.eval_samples] * len(runs)))
-    for run, summary in zip(runs, summaries, strict=True):
-        run.summary = summary
-        run.rows = _metrics(run.folder)
-        cfg = configs[run.preset].grpo
+    return measure(runs, args, args.presets[0], lambda run: configs[run.preset], write_table)
+
+
+def measure(runs: list[Run], args: argparse.Namespace, base_preset: str, config_of, write_page) -> int:
+    """Trains and evaluates ``runs`` (:func:`train_and_evaluate`), then writes ``args.out``, the page
+    ``write_page(runs, base, args, curves' file name)``, and the curves beside it (``<out>_curves.png``); 1 when a
+    run failed. ``config_of(run)``: the run's config, for its images per epoch."""
+    for run in runs:
+        cfg = config_of(run).grpo
         run.images_per_epoch = cfg.group_size * cfg.groups_per_epoch
+    base = train_and_evaluate(runs, args, base_preset)
+    if base is None:
+        return 1
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot = out.with_name(out.stem + "_curves.png")
     write_curves(runs, plot, args.minutes, CLOCKS[args.clock])
-    out.write_text(write_table(runs, base, args, plot.name), encoding="utf-8")
+    out.write_text(write_page(runs, base, args, plot.name), encoding="utf-8")
     print(f"table: {out}\ncurves: {plot}")
     return 0
 
@@ -149,6 +124,66 @@ def preset_budgets(items: list[str], budgets: list[float]) -> dict[str, list[flo
 
 
 CLOCKS = {"cpu": "time/cpu", "wall": "time/elapsed"}  # --clock -> the metric the budget is measured on
+POOL = ProcessPoolExecutor  # runs the trainings and evaluations, --jobs at a time (tests substitute threads)
+
+
+def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
+    """``{key: config}`` for ``setups``' ``{key: (preset, overrides)}``; None, said on stderr, when a config does not
+    load, its lr schedule depends on ``run.epochs`` (which a time budget leaves open) or ``args``' ``--jobs``,
+    ``--eval-samples`` or ``--minutes`` is out of range."""
+    from flowgrpo.config import ConfigError, load_config
+
+    configs = {}
+    try:
+        for key, (preset, overrides) in setups.items():
+            configs[key] = load_config(_preset_path(preset), overrides)
+            if configs[key].train.lr_schedule != "constant":
+                raise ConfigError(
+                    f"{key}: train.lr_schedule={configs[key].train.lr_schedule} depends on run.epochs, "
+                    "which a time budget leaves open: compare with train.lr_schedule=constant"
+                )
+    except (ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+    if args.jobs < 1 or args.eval_samples < 1 or args.minutes <= 0:
+        print("error: --jobs and --eval-samples must be >= 1 and --minutes > 0", file=sys.stderr)
+        return None
+    return configs
+
+
+def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: str) -> dict[int, dict] | None:
+    """Trains the runs not finished yet (``args.jobs`` at a time, ``args.minutes`` × budget on ``args.clock``, with
+    ``args.overrides``), evaluates the shipped model under ``base_preset`` for each of ``args.seeds`` (cached under
+    ``args.work``) and every run's final model, ``args.eval_samples`` images per held-out line; fills each run's
+    ``summary`` and ``rows`` and returns the base's summaries by seed, or None (said on stderr) when a run failed."""
+    work = Path(args.work)
+    todo = [r for r in runs if _final_checkpoint(r.folder) is None]
+    print(f"{len(runs)} runs ({len(runs) - len(todo)} already done), {args.jobs} at a time")
+    with POOL(args.jobs) as pool:
+        failed = [
+            r
+            for r, rc in zip(
+                todo,
+                pool.map(
+                    _train, todo, [args.minutes] * len(todo), [args.overrides] * len(todo), [args.clock] * len(todo)
+                ),
+                strict=True,
+            )
+            if rc != 0
+        ]
+        if failed:
+            print(f"error: {len(failed)} runs failed, e.g. {failed[0].folder} (its train.log)", file=sys.stderr)
+            return None
+        n = len(args.seeds)
+        evaluated = pool.map(
+            _evaluate_base, [base_preset] * n, args.seeds, [args.eval_samples] * n, [args.overrides] * n, [work] * n
+        )
+        base = dict(zip(args.seeds, evaluated, strict=True))
+        summaries = list(pool.map(_evaluate_run, [r.folder for r in runs], [args.eval_samples] * len(runs)))
+    for run, summary in zip(runs, summaries, strict=True):
+        run.summary = summary
+        run.rows = _metrics(run.folder)
+    return base
 
 
 def _preset_path(preset: str) -> Path:
@@ -180,6 +215,7 @@ def _train(run: Run, minutes: float, overrides: list[str], clock: str = "cpu") -
         str(ROOT / "scripts" / "train.py"),
         "--config",
         str(_preset_path(run.preset)),
+        *run.overrides,
         *overrides,
         f"run.seed={run.seed}",
         f"run.output_dir={run.folder}",
@@ -287,7 +323,6 @@ def write_table(
     base_cc = [100 * base[s][COLOR_COUNT] for s in args.seeds]
     command = " ".join(["python scripts/compare_methods.py", *sys.argv[1:]]) if argv_shown is None else argv_shown
     evaluated = int(base[args.seeds[0]].get("images", 0))
-    pass_k = f"{COLOR_COUNT}/pass@{args.eval_samples}"
     clock_name = "CPU time" if args.clock == "cpu" else "wall-clock"
     lines = [
         "# Methods on the shapes task",
@@ -299,40 +334,52 @@ def write_table(
         f"model under the same seed's noise (base colour+count: {', '.join(f'{v:.1f}' for v in base_cc)}). "
         "± is the sample standard deviation over seeds.",
         "",
-        f"| preset | budget | colour+count gain | per seed | exact gain | cc pass@{args.eval_samples} % | minutes "
-        "| epochs | images "
-        "| optimizer steps |",
+        f"| preset | budget | {GAIN_HEADER.format(k=args.eval_samples)} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     gains: dict[tuple[str, float], list[float]] = {}
     for (preset, budget), group in groups.items():
-        cc = [100 * (r.summary[COLOR_COUNT] - base[r.seed][COLOR_COUNT]) for r in group]
-        exact = [100 * (r.summary[EXACT] - base[r.seed][EXACT]) for r in group]
-        gains[preset, budget] = cc
-        (m, s), (me, se) = mean_std(cc), mean_std(exact)
-        pass8 = statistics.fmean(100 * r.summary.get(pass_k, math.nan) for r in group)
-        minutes = statistics.fmean(r.rows[-1][CLOCKS[args.clock]] / 60 for r in group)
-        epochs = statistics.fmean(len(r.rows) for r in group)
-        images = statistics.fmean(len(r.rows) * r.images_per_epoch for r in group)
-        steps = statistics.fmean(r.rows[-1]["global_step"] for r in group)
-        lines.append(
-            f"| `{_stem(preset)}` | ×{budget:g} | {m:+.1f} ± {s:.1f} | {' / '.join(f'{g:+.1f}' for g in cc)} "
-            f"| {me:+.1f} ± {se:.1f} | {pass8:.1f} | {minutes:.1f} | {epochs:.0f} | {images:.0f} | {steps:.0f} |"
-        )
+        gains[preset, budget], cells = gain_cells(group, base, args)
+        lines.append(f"| `{_stem(preset)}` | ×{budget:g} {cells}")
     lines += ["", "Against the first preset at the same budget (difference of mean colour+count gains):", ""]
     first = args.presets[0]
     for (preset, budget), cc in gains.items():
         if preset == first or (first, budget) not in gains:
             continue
-        d, error, noise = within_noise(cc, gains[first, budget])
-        verdict = "within noise" if noise else ("better" if d > 0 else "worse")
-        lines.append(f"- `{_stem(preset)}` ×{budget:g}: {d:+.1f} ± {error:.1f} points: {verdict}")
+        lines.append(f"- `{_stem(preset)}` ×{budget:g}: {noise_verdict(cc, gains[first, budget])}")
     lines += [
         "",
         f"![training reward against minutes: seed mean, smoothed over 5 epochs, seed range shaded]({plot})",
         "",
     ]
     return "\n".join(lines)
+
+
+GAIN_HEADER = "colour+count gain | per seed | exact gain | cc pass@{k} % | minutes | epochs | images | optimizer steps"
+
+
+def gain_cells(group: list[Run], base: dict[int, dict[str, float]], args: argparse.Namespace) -> tuple[list, str]:
+    """A group of seeds' colour+count gains (points, against each seed's base) and its table cells under
+    :data:`GAIN_HEADER`, from ``| `` to the closing ``|``."""
+    cc = [100 * (r.summary[COLOR_COUNT] - base[r.seed][COLOR_COUNT]) for r in group]
+    exact = [100 * (r.summary[EXACT] - base[r.seed][EXACT]) for r in group]
+    (m, s), (me, se) = mean_std(cc), mean_std(exact)
+    pass8 = statistics.fmean(100 * r.summary.get(f"{COLOR_COUNT}/pass@{args.eval_samples}", math.nan) for r in group)
+    minutes = statistics.fmean(r.rows[-1][CLOCKS[args.clock]] / 60 for r in group)
+    epochs = statistics.fmean(len(r.rows) for r in group)
+    images = statistics.fmean(len(r.rows) * r.images_per_epoch for r in group)
+    steps = statistics.fmean(r.rows[-1]["global_step"] for r in group)
+    return cc, (
+        f"| {m:+.1f} ± {s:.1f} | {' / '.join(f'{g:+.1f}' for g in cc)} "
+        f"| {me:+.1f} ± {se:.1f} | {pass8:.1f} | {minutes:.1f} | {epochs:.0f} | {images:.0f} | {steps:.0f} |"
+    )
+
+
+def noise_verdict(gains: list[float], reference: list[float]) -> str:
+    """``"+d ± e points: within noise"`` (or better, worse): the difference of mean gains and its standard error."""
+    d, error, noise = within_noise(gains, reference)
+    verdict = "within noise" if noise else ("better" if d > 0 else "worse")
+    return f"{d:+.1f} ± {error:.1f} points: {verdict}"
 
 
 def smoothed_curve(rows: list[dict], grid: list[float], window: int = 5, clock: str = "time/cpu") -> list[float]:
@@ -358,24 +405,23 @@ def write_curves(runs: list[Run], path: Path, minutes: float, clock: str = "time
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    longest: dict[tuple[str, int], Run] = {}
+    longest: dict[tuple[str, str, int], Run] = {}
     for run in runs:  # the longest budget's run shows the shorter ones' span too
-        key = (run.preset, run.seed)
+        key = (run.preset, run.name, run.seed)
         if key not in longest or run.budget > longest[key].budget:
             longest[key] = run
     end = max((row[clock] / 60 for run in longest.values() for row in run.rows), default=minutes)
     grid = np.linspace(0, end, 200)
     palette = plt.get_cmap("tab20").colors  # 20 distinct colours: more presets than tab10's ten
-    for index, preset in enumerate(dict.fromkeys(run.preset for run in runs)):
-        curves = np.array(
-            [smoothed_curve(r.rows, grid.tolist(), clock=clock) for (p, _), r in longest.items() if p == preset]
-        )
+    for index, (preset, name) in enumerate(dict.fromkeys((run.preset, run.name) for run in runs)):
+        group = [r for (p, n, _), r in longest.items() if (p, n) == (preset, name)]
+        curves = np.array([smoothed_curve(r.rows, grid.tolist(), clock=clock) for r in group])
         if not len(curves):
             continue
         seen = ~np.isnan(curves).all(axis=0)
         mean = np.nanmean(np.where(seen, curves, 0.0), axis=0)
         (line,) = ax.plot(
-            grid[seen], mean[seen], lw=1.8, color=palette[index % 20], label=f"{_stem(preset)} ({len(curves)} seeds)"
+            grid[seen], mean[seen], lw=1.8, color=palette[index % 20], label=f"{group[0].label} ({len(curves)} seeds)"
         )
         low, high = np.nanmin(curves[:, seen], axis=0), np.nanmax(curves[:, seen], axis=0)
         ax.fill_between(grid[seen], low, high, color=line.get_color(), alpha=0.15, lw=0)

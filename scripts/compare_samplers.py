@@ -1,14 +1,26 @@
-"""Train the shapes task with every sampler on the same budget, and write docs/samplers_comparison.md (a table and a
-plot; docs/shapes.md §8 holds the measured one).
+"""Compare samplers on the shapes task at equal time, with scripts/compare_methods.py's protocol: 3 seeds each, every
+final model evaluated with 8 images per held-out line; writes docs/samplers_comparison.md (a table) and its curves.
 
-    python scripts/compare_samplers.py                       # all samplers, seeds 0 and 1, configs/shapes.yaml
-    python scripts/compare_samplers.py --samplers flowgrpo cps --seeds 0 --epochs 4   # a quick look
+    python scripts/compare_samplers.py [--samplers flowgrpo cps ...] [--seeds 0 1 2] [--minutes 2.5] [--clock cpu]
+        [--jobs 2] [--eval-samples 8] [--config configs/shapes.yaml] [--work runs/compare_samplers]
+        [--out docs/samplers_comparison.md] [key.sub=value ...]
 
-Each run is ``scripts/train.py --config configs/shapes.yaml`` with the sampler's overrides and the same number
-of epochs, in its own process; a finished run (its metrics hold the last epoch) is reused when the script
-is run again, so an interrupted comparison continues where it stopped. Wall time is the runs' own sampling,
-reward and training time (evaluation excluded), summed over epochs. Network calls and trained steps per image
-follow from each sampler's schedule (``calls_per_image``).
+Each run is ``scripts/train.py --config configs/shapes.yaml`` with a sampler's overrides (``SAMPLERS``, then the
+key=value given to every run), trained and evaluated by compare_methods' functions: ``run.max_minutes = --minutes``
+on ``run.budget_clock = --clock`` (CPU time by default, one thread a run, ``--jobs`` at a time), the final model
+evaluated with ``--eval-samples`` images per held-out line and the shipped model under each seed's noise, a gain being
+the difference under the same seed. Runs and evaluations are cached under ``--work``
+(``<config>-<sampler>-<minutes>min-<clock>/seed<s>``, the base model under ``base/``): an interrupted comparison
+continues where it stopped (delete the folder to redo it).
+
+The table reports, per sampler: colour+count gain (mean ± sample std over seeds, and each seed's), exact gain,
+colour+count pass@k, minutes on the clock, epochs, images sampled, optimizer steps, and network calls and trained
+steps per image per epoch (``calls_per_image``, averaged over the epochs each run trained); a difference from the
+flowgrpo row (the first sampler when flowgrpo is not run) is within noise when it is smaller than twice its standard
+error. The curves (``<out>_curves.png``) are the training reward against minutes, as compare_methods'.
+
+``--epochs N`` runs the older protocol instead (docs/shapes.md §8's table: N epochs, ``--eval-every``, one image per
+held-out line, runs under ``--runs``, the mean ± half the range over seeds). ``--out`` may not be docs/shapes.md.
 """
 
 from __future__ import annotations
@@ -22,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import compare_methods as cm  # noqa: E402
 
 from flowgrpo.report import read_metrics  # noqa: E402
 
@@ -108,6 +123,92 @@ def calls_per_image(config) -> tuple[float, float]:
     return statistics.mean(totals), statistics.mean(trained)
 
 
+# ---------------------------------------------------------------------------- equal time (compare_methods' protocol)
+def compare(args: argparse.Namespace) -> int:
+    """Trains and evaluates every (sampler, seed) under compare_methods' protocol and writes the table and curves."""
+    preset = str(args.config)
+    configs = cm.load_budgeted({n: (preset, [*SAMPLERS[n][1], *args.overrides]) for n in args.samplers}, args)
+    if configs is None:
+        return 2
+    runs = [
+        cm.Run(
+            preset,
+            1.0,
+            seed,
+            Path(args.work) / f"{cm._stem(preset)}-{name}-{args.minutes:g}min-{args.clock}" / f"seed{seed}",
+            overrides=SAMPLERS[name][1],
+            name=name,
+        )
+        for name in args.samplers
+        for seed in args.seeds
+    ]
+    return cm.measure(runs, args, preset, lambda run: configs[run.name], write_table)
+
+
+def trained_calls(run: cm.Run, overrides: list[str]) -> tuple[float, float]:
+    """``calls_per_image`` of ``run``'s config over the epochs it trained."""
+    from flowgrpo.config import load_config
+
+    config = load_config(
+        cm._preset_path(run.preset), [*run.overrides, *overrides, f"run.seed={run.seed}", f"run.epochs={len(run.rows)}"]
+    )
+    return calls_per_image(config)
+
+
+def write_table(
+    runs: list[cm.Run], base: dict[int, dict[str, float]], args: argparse.Namespace, plot: str, argv_shown=None
+) -> str:
+    """The markdown page: a row per sampler, the noise verdicts against flowgrpo's row, the samplers, the curves."""
+    groups: dict[str, list[cm.Run]] = {}
+    for run in runs:
+        groups.setdefault(run.name, []).append(run)
+    command = " ".join(["python scripts/compare_samplers.py", *sys.argv[1:]]) if argv_shown is None else argv_shown
+    evaluated = int(base[args.seeds[0]].get("images", 0))
+    bases = {
+        k: ", ".join(f"{100 * base[s][m]:.1f}" for s in args.seeds)
+        for k, m in (("cc", cm.COLOR_COUNT), ("ex", cm.EXACT))
+    }
+    lines = [
+        "# Samplers on the shapes task",
+        "",
+        f"Written by `{command}`: `{Path(args.config).name}` with each sampler's overrides, seeds "
+        f"{', '.join(map(str, args.seeds))}, each run trained on one thread ({args.jobs} at a time) for "
+        f"{args.minutes:g} minutes ({'CPU time' if args.clock == 'cpu' else 'wall-clock'}), then its final model "
+        f"evaluated with {args.eval_samples} images per held-out line ({evaluated} images). Gains are in points "
+        f"against the shipped model under the same seed's noise (base colour+count: {bases['cc']}; exact: "
+        f"{bases['ex']}); ± is the sample standard deviation over seeds. Calls and trained steps are per image per "
+        "epoch, averaged over the epochs each run trained.",
+        "",
+        f"| sampler | {cm.GAIN_HEADER.format(k=args.eval_samples)} | calls / image | trained steps / image |",
+        "|" + "---|" * 11,
+    ]
+    gains: dict[str, list[float]] = {}
+    for name, group in groups.items():
+        gains[name], cells = cm.gain_cells(group, base, args)
+        calls, trained = (
+            statistics.fmean(v) for v in zip(*(trained_calls(r, args.overrides) for r in group), strict=True)
+        )
+        lines.append(f"| {name} {cells} {calls:.1f} | {trained:.1f} |")
+    reference = "flowgrpo" if "flowgrpo" in gains else next(iter(gains))
+    lines += [
+        "",
+        f"Against {reference} (difference of mean colour+count gains; within noise: under twice its error):",
+        "",
+    ]
+    lines += [f"- {n}: {cm.noise_verdict(cc, gains[reference])}" for n, cc in gains.items() if n != reference]
+    lines += [
+        "",
+        f"The samplers (overrides of `{Path(args.config).name}`):",
+        "",
+        *(f"- **{n}**: {SAMPLERS[n][0]}; overrides `{' '.join(SAMPLERS[n][1]) or '(none)'}`" for n in groups),
+        "",
+        f"![training reward against minutes: seed mean, smoothed over 5 epochs, seed range shaded]({plot})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- fixed epochs (the older protocol)
 def run_one(name: str, seed: int, args: argparse.Namespace) -> Path:
     """The run directory of (sampler, seed): an existing finished run, or a new one trained now."""
     out = args.runs / f"{name}-s{seed}"
@@ -236,19 +337,27 @@ def _plot(results: dict[str, list[Path]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=list(SAMPLERS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--epochs", type=int, default=None, help="default: the config's run.epochs")
-    parser.add_argument("--eval-every", type=int, default=None, help="default: the config's eval.every")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "shapes.yaml")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare")
+    parser.add_argument("--minutes", type=float, default=2.5, help="every run's budget")
+    parser.add_argument("--clock", choices=sorted(cm.CLOCKS), default="cpu", help="run.budget_clock of every run")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--eval-samples", type=int, default=8, help="images per held-out line")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "compare_samplers")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "samplers_comparison.md")
+    parser.add_argument("--epochs", type=int, default=None, help="the older protocol: this many epochs a run")
+    parser.add_argument("--eval-every", type=int, default=None, help="--epochs only; default: the config's eval.every")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare", help="--epochs only: its runs")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args(argv)
+    if args.out.resolve() == (ROOT / "docs" / "shapes.md").resolve():
+        parser.error("--out may not be docs/shapes.md: write the table elsewhere and copy it into §8")
+    if args.epochs is None:
+        return compare(args)
 
     from flowgrpo.config import load_config
 
     config = load_config(str(args.config), args.overrides)
-    args.epochs = args.epochs or config.run.epochs
     args.eval_every = args.eval_every or config.eval.every
     if args.eval_every < 1 or args.epochs % args.eval_every:
         parser.error("--eval-every must be >= 1 and divide --epochs: the table reads the last epoch's evaluation")
