@@ -670,6 +670,7 @@ def validate(config: Config, world_size: int = 1) -> None:
             f"process trains per epoch ({local} samples / train.batch_size {t.batch_size} × train.inner_epochs "
             f"{t.inner_epochs}), or the last optimizer step of an epoch would be incomplete"
         )
+    objective.validate_updates(config, optimizer_steps_per_epoch(config, world_size))
     if config.model.resolution % 16:
         raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
 
@@ -708,6 +709,12 @@ def accumulation_steps(config: Config, world_size: int) -> int:
     if t.updates_per_epoch is None:
         return t.gradient_accumulation
     return micro_batches_per_pass(config, world_size) // t.updates_per_epoch
+
+
+def optimizer_steps_per_epoch(config: Config, world_size: int) -> int:
+    """Optimizer steps each epoch takes at ``world_size`` processes, over its ``train.inner_epochs`` passes."""
+    per_epoch = micro_batches_per_pass(config, world_size) * config.train.inner_epochs
+    return per_epoch // accumulation_steps(config, world_size)
 
 
 def micro_batches_per_pass(config: Config, world_size: int) -> int:

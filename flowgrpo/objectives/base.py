@@ -87,6 +87,11 @@ class Objective:
         of the config's validation, before anything is loaded."""
 
     @classmethod
+    def validate_updates(cls, config: Config, steps_per_epoch: int) -> None:
+        """Refuse a config whose ``steps_per_epoch`` optimizer steps per epoch (all ``train.inner_epochs`` passes, at
+        the validated process count) this objective cannot learn with. Runs after the batch arithmetic is checked."""
+
+    @classmethod
     def needs_whole_groups(cls, config: Config) -> bool:  # noqa: ARG003 (the default needs no setting)
         """Whether the loss compares the images of one group (best against worst, a sum over the group): then each
         process samples whole groups (:func:`~flowgrpo.data.rank_groups`) and every micro-batch holds whole groups
