@@ -30,10 +30,12 @@ from .adapters.registry import (
     family_option_error,
 )
 from .advantages import available_advantage_estimators, estimator_sections, validate_estimator
+from .advantages.diversity import DiversityConfig, check_diversity
 from .checks import ConfigError, check_num_frames, check_range, check_true_cfg, one_of
 from .objectives import get_objective, objective_sections
 from .objectives.base import check_whole_groups
 from .objectives.forward import ForwardProcessConfig
+from .objectives.kl import KLGateConfig, check_kl
 from .rollouts import get_rollout, rollout_sections
 
 
@@ -208,6 +210,8 @@ class AdvantageConfig:
     clip: float = 5.0  # > 0: advantages are clipped to ±clip
     normalize_weights: bool = False  # per_reward: weights divided by their sum first (MixGRPO); else summed as given
     std_eps: float = 1.0e-4  # A = (R - mean) / (std + std_eps): Flow-GRPO 1e-4, DanceGRPO / MixGRPO 1e-8
+    diversity: DiversityConfig = field(default_factory=DiversityConfig)  # GARDO: positive advantages × the image's
+    #                                   distance to its group's nearest other image over the group's mean of it
 
     def __post_init__(self) -> None:
         _add_plugin_sections(self)  # grpo.advantage.<estimator>: the registered estimators' settings
@@ -215,10 +219,13 @@ class AdvantageConfig:
 
 @dataclass
 class KLConfig:
-    """``grpo.kl:`` KL to the adapter-disabled model (objectives awm, nft, fpo: mean squared velocity difference)."""
+    """``grpo.kl:`` KL to the reference model, the adapter-disabled one (objectives awm, nft, fpo: mean squared velocity
+    difference); GARDO's gate and reset of the reference (flowgrpo.objectives.kl, flowgrpo.objectives.reference)."""
 
     beta: float = 0.0  # 0 skips the reference forward entirely
     convention: str = "flowgrpo"  # exact | flowgrpo (std without sqrt(Δ), as Flow-GRPO's published β); clipped only
+    gate: KLGateConfig = field(default_factory=KLGateConfig)  # GARDO: the KL only on the most uncertain samples
+    reset_every: int = 0  # GARDO: every N epochs the reference becomes the current LoRA weights (0: never; GARDO 16)
 
 
 @dataclass
@@ -617,6 +624,8 @@ def validate(config: Config, world_size: int = 1) -> None:
     _check_recipe_sampler(s)
     one_of("grpo.advantage.estimator", g.advantage.estimator, available_advantage_estimators())
     one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
+    check_kl(config)  # grpo.kl.gate, grpo.kl.reset_every (GARDO)
+    check_diversity(config)  # grpo.advantage.diversity (GARDO)
     one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
     one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
     objective = get_objective(g.objective)

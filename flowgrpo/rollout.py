@@ -492,7 +492,7 @@ def evaluate_transitions(
     ``step`` is a position in the window, shared by the batch (int) or per sample (``[B]`` long tensor,
     for shuffled timesteps). Runs the same forward path as the rollout (same guidance, precision and
     sigmas), so with unchanged weights ``log_prob`` equals the stored one exactly. Gradients flow to the
-    adapter unless called under ``torch.no_grad()``; wrap in ``adapter.adapter_disabled()`` for the reference.
+    adapter unless called under ``torch.no_grad()``; wrap in ``adapter.reference()`` for the reference.
     """
     x, t, t_next, prev = _stored(trajectory, step)
     velocity_fn = _velocity_fn(adapter, trajectory.embeds, sampler, trajectory.guidance_scale)

@@ -31,7 +31,7 @@ from rewards import AsyncReward, FrameReward, apply_nan_policy, build_reward
 from rewards.base import accepts_source_images
 
 from .adapters import build_adapter
-from .advantages import AdvantageInputs, compute_advantages
+from .advantages import AdvantageInputs, advantage_extras, compute_advantages
 from .checkpoint import (
     CheckpointParts,
     check_resume,
@@ -50,6 +50,8 @@ from .ema import EMA
 from .evaluation import evaluate_shard, grid_prompts, image_grid, merge_shards, summarize, write_report
 from .memory import check_memory
 from .objectives import get_objective
+from .objectives.kl import kl_sample_weights
+from .objectives.reference import KLReference
 from .optim import make_lr_factor, make_optimizer
 from .parallel import any_process, check_launch, cpu_launch_kwargs, full_tensor, is_deepspeed, is_fsdp
 from .phases import PhaseTimer
@@ -113,6 +115,7 @@ class GRPOTrainer:
         check_editing(datasets, reward=self.reward)  # a reward comparing edits with their sources needs source images
         set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
+        self.kl_reference = KLReference(config, self.adapter, sharded=self.deepspeed or self.fsdp)  # reset_every
         check_editing(datasets, adapter=self.adapter)  # source images need an editing model
         # Latents and rollout buffers that cannot fit are refused now, not by a failed allocation in the first epoch.
         stores = self.objective.rollout == "sde_window"
@@ -169,6 +172,7 @@ class GRPOTrainer:
                 config=config,
                 run_dir=self.run_dir,
                 family=self.adapter.family,
+                reference=self.kl_reference,
             )
             resume_run(parts, resume, self.run_lock, new_run=run_dir is None, warn=warn)
         self.stop = StopRequest()
@@ -265,6 +269,7 @@ class GRPOTrainer:
             config=cfg,
             run_dir=self.run_dir,
             family=self.adapter.family,
+            reference=self.kl_reference,
         )
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
@@ -362,6 +367,7 @@ class GRPOTrainer:
         # ================================ ADVANTAGES ================================
         start = time.perf_counter()
         keys = sorted(local_scores)
+        trajectory.extras.update(advantage_extras(cfg.grpo.advantage, trajectory))  # e.g. diversity's features
         gathered = {k: acc.gather(local_scores[k].to(acc.device)).cpu() for k in keys}
         all_group_ids = acc.gather(trajectory.group_ids.to(acc.device)).cpu()
         keep, dropped = apply_nan_policy(gathered, all_group_ids, cfg.grpo.nan_policy, keys=list(self.reward.weights))
@@ -372,6 +378,8 @@ class GRPOTrainer:
         n_local = len(trajectory)
         # gather() concatenates in process order, so this process's rows are one contiguous block.
         advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]
+        for k, v in kl_sample_weights(cfg.grpo.kl, inputs, keep).items():  # the KL's per-sample gate (grpo.kl.gate)
+            trajectory.extras[k] = v[self.rank * n_local : (self.rank + 1) * n_local]
         if cfg.run.debug_dump:
             self._dump(
                 f"epoch{epoch}",
@@ -423,6 +431,7 @@ class GRPOTrainer:
             return {}
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 7_919 + epoch * 31 + self.rank)
         self.objective.begin_epoch(self.params)
+        self.kl_reference.begin_epoch(epoch, self.params)  # grpo.kl.reset_every: the reference may become the weights
         num_micro = n // cfg.train.batch_size  # the same on every process (validated), also when samples are dropped
         samples = self.objective.select_samples(advantages, num_micro, shuffle, trajectory.group_ids)
         self.stepper.per_update = terms * self.accumulation  # backward passes per optimizer step

@@ -185,6 +185,17 @@ def _entries(spec: Any) -> list[dict[str, Any]]:
     )
 
 
+def _key(name: str, options: Mapping[str, Any]) -> str:
+    """A reward's key: its ``key`` option, else its name (an import path's class or function name)."""
+    return str(options.get("key", name.rpartition(":")[2].rpartition(".")[2] if ":" in name else name))
+
+
+def reward_weights(spec: Any) -> dict[str, Any]:
+    """``{key: weight}`` of the rewards in ``spec``, keyed as :func:`build_reward` keys them, without building any
+    (a config's checks; ``build_reward`` validates the weights)."""
+    return {_key(str(e["name"]), e): e.get("weight", 1.0) for e in _entries(spec)}
+
+
 def build_reward(spec: Any, device: str | torch.device = "cpu", *, nan_policy: str = "error") -> CombinedReward:
     """Build every reward in ``spec`` once and combine them: output = each key's raw scores + ``total``.
 
@@ -201,7 +212,8 @@ def build_reward(spec: Any, device: str | torch.device = "cpu", *, nan_policy: s
         weight = item.pop("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ValueError(f"rewards.{name}: weight must be a finite number; got {weight!r}")
-        key = str(item.pop("key", name.rpartition(":")[2].rpartition(".")[2] if ":" in name else name))
+        key = _key(name, item)
+        item.pop("key", None)
         if key == "total" or "/" in key:
             raise ValueError(f"rewards.{name}: key '{key}' is reserved; choose another with key=...")
         if any(e.key == key for e in built):

@@ -119,6 +119,9 @@ class PipelineAdapter:
     edits: ClassVar[bool] = False  # takes a source image per prompt (FLUX.1-Kontext); see encode_conditions
     schedule_family: ClassVar[str | None] = None  # how pipe() sets its sigmas (samplers.pipeline_schedule): "sd3" |
     # "flux"; None: the family's own name
+    # After a reset of the KL's reference (grpo.kl.reset_every, flowgrpo.objectives.reference): the snapshot of the
+    # trainable weights the reference forwards swap in (an OldWeights), else None: the adapter-disabled model.
+    reference_snapshot: Any = None
 
     def __init__(self, pipe: Any, *, negative_prompt: str = "") -> None:
         self.pipe = pipe
@@ -446,6 +449,14 @@ class PipelineAdapter:
             yield
         finally:
             model.enable_adapters()
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The reference model (the KL term's; dpo's and dgpo's): the adapter-disabled transformer, or after a reset of
+        the reference the snapshot of the trainable weights (``reference_snapshot``) swapped in for the block."""
+        snapshot = self.reference_snapshot
+        with snapshot.swapped_in() if snapshot is not None else self.adapter_disabled():
+            yield
 
     @contextlib.contextmanager
     def unwrapped(self) -> Iterator[None]:

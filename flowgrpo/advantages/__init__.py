@@ -3,12 +3,14 @@
 Built in (:mod:`.group`): ``group`` (group mean and std), ``global_std`` (Flow-GRPO), ``per_reward`` (MixGRPO);
 per window step from the stage rewards of ``sampler.rollout: dense``: ``turning_point`` (:mod:`.tp`, TP-GRPO) and
 ``vgpo`` (:mod:`.vgpo`, VGPO); per tree edge from ``sampler.rollout: tree``: ``tree`` (:mod:`.tree`, BranchGRPO).
+``grpo.advantage.diversity`` (:mod:`.diversity`, GARDO) reshapes any estimator's advantages.
 """
 
 from . import tp, tree, vgpo  # noqa: F401  (register the per-step estimators)
 from .base import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
+    advantage_extras,
     available_advantage_estimators,
     compute_advantages,
     estimator_sections,
@@ -22,6 +24,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "STD_EPS",
     "AdvantageInputs",
+    "advantage_extras",
     "available_advantage_estimators",
     "compute_advantages",
     "estimator_sections",

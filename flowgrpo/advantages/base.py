@@ -9,7 +9,8 @@ An estimator is a function registered by name::
 It sees every process's samples of the epoch at once (the trainer gathers them first) and returns one advantage per
 sample, or one per sample and window step (``inputs.num_steps`` = W) for methods that credit steps separately. The
 trainer makes one call, :func:`compute_advantages`, which also gives the groups the reward's NaN policy dropped an
-advantage of 0 and keeps them out of the others' statistics.
+advantage of 0 and keeps them out of the others' statistics, and applies ``grpo.advantage.diversity``
+(:mod:`.diversity`, GARDO's diversity-aware shaping) to any estimator's advantages.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..checks import one_of
+from .diversity import amplify_diverse, diversity_features
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ def get_advantage_estimator(name: str) -> Estimator:
     return ADVANTAGE_ESTIMATORS[name]
 
 
+def advantage_extras(settings: Any, trajectory: Any) -> dict[str, Tensor]:
+    """Per-sample tensors ``[B, ...]`` the advantage settings need besides the rewards, from this process's samples
+    (``trajectory``), for the trainer to gather into :attr:`AdvantageInputs.extras`: ``grpo.advantage.diversity``'s
+    image features; ``{}`` when nothing is needed."""
+    return diversity_features(settings, trajectory)
+
+
 def compute_advantages(settings: Any, inputs: AdvantageInputs, keep: Tensor) -> Tensor:
     """The estimator ``settings.estimator`` on the samples in ``keep`` ([N] bool: groups the NaN policy kept); the
     others get 0. [N] or [N, W] as the estimator returns, float32."""
@@ -105,6 +114,8 @@ def compute_advantages(settings: Any, inputs: AdvantageInputs, keep: Tensor) -> 
             f"advantage estimator {settings.estimator!r} returned shape {tuple(values.shape)} for "
             f"{int(keep.sum())} samples; expected [N] or [N, W]"
         )
+    if settings.diversity.enabled:  # GARDO's diversity-aware shaping, whatever the estimator
+        values = amplify_diverse(values, kept.extras, kept.group_ids, settings.clip)
     out = torch.zeros((n, *values.shape[1:]))
     out[keep] = values
     return out

@@ -10,6 +10,8 @@
         checkpoints/epoch-00020/
             adapter.safetensors     LoRA weights (peft names, float32)     adapter_config.json  the LoraConfig
             ema.safetensors         EMA of the adapter weights (if train.ema > 0)
+            reference.safetensors   the KL reference's adapter weights since its last reset (grpo.kl.reset_every),
+                                    metadata {"epoch": the epoch it was taken at}
             optimizer.pt            optimizer state (tensors and numbers only: loaded with weights_only=True);
                                     under DeepSpeed instead deepspeed/ (its files: trainable weights and every
                                     process's optimizer shard), under FSDP optimizer_full.pt (whole, by parameter

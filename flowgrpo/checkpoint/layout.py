@@ -13,6 +13,7 @@ METRICS_FILE = "metrics.jsonl"  # in a run: one line per epoch
 STATE_FILE = "state.json"  # its presence marks a complete checkpoint (written last)
 ADAPTER_FILE = "adapter.safetensors"  # LoRA weights, peft's saved names, float32
 EMA_FILE = "ema.safetensors"  # their EMA (train.ema > 0)
+REFERENCE_FILE = "reference.safetensors"  # the KL reference's snapshot after a reset (grpo.kl.reset_every)
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # the LoraConfig
 
 

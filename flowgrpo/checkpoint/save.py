@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..parallel import any_process, full_tensor, is_fsdp, shard_like
@@ -34,6 +35,7 @@ from .layout import (
     CHECKPOINTS,
     CONFIG_FILE,
     EMA_FILE,
+    REFERENCE_FILE,
     STATE_FILE,
     checkpoint_name,
     list_checkpoints,
@@ -48,6 +50,7 @@ from .safe_io import CheckpointError, read_json, reading, write_text, writing
 if TYPE_CHECKING:
     from ..config import Config
     from ..ema import EMA
+    from ..objectives.reference import KLReference
 
 # TrainState fields a resume restores (state.json holds them all, and the checkpoint's own bookkeeping).
 RESTORED = ("epoch", "global_step", "nonfinite_in_a_row", "empty_epochs_in_a_row", "best_eval", "best_checkpoint")
@@ -67,6 +70,7 @@ class CheckpointParts:
     config: Config  # the resolved config: config.yaml, checkpoint.keep_last, what the weights were trained on
     run_dir: Path
     family: str  # the model family (the adapter's): recorded as trained_on["model.kind"]
+    reference: KLReference | None = None  # the KL reference's reset schedule and snapshot (grpo.kl.reset_every)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -106,6 +110,7 @@ def save_checkpoint(parts: CheckpointParts, epoch: int, rng: dict[str, Any] | No
         gather = acc.is_main_process or is_fsdp(acc)
         weights = lora_state(model) if gather else {}
         shadow = [full_tensor(s).cpu() for s in parts.ema.shadow] if gather and parts.ema is not None else []
+        snapshot = parts.reference.snapshot if parts.reference is not None else None
         # RNG states are per process; everything else is replicated and written once.
         write_rng_state(tmp, acc.process_index, rng if rng is not None else rng_state())
         if acc.is_main_process:
@@ -116,14 +121,12 @@ def save_checkpoint(parts: CheckpointParts, epoch: int, rng: dict[str, Any] | No
                 save_file(weights, str(tmp / ADAPTER_FILE))
             lora = adapter_config(model)
             write_text(tmp / ADAPTER_CONFIG_FILE, json.dumps(lora, indent=2, default=str))
+            names = trainable_names(model)
             if parts.ema is not None:
-                names = trainable_names(model)
-                with writing(tmp / EMA_FILE):
-                    save_file(
-                        {n: s.contiguous() for n, s in zip(names, shadow, strict=True)},
-                        str(tmp / EMA_FILE),
-                        metadata={"decay": str(parts.ema.decay)},
-                    )
+                _save_named(tmp / EMA_FILE, names, shadow, {"decay": str(parts.ema.decay)})
+            if snapshot is not None:  # whole tensors on every process (a reset refuses sharded parameters)
+                saved = [s.detach().float().cpu() for s in snapshot.saved]
+                _save_named(tmp / REFERENCE_FILE, names, saved, {"epoch": str(parts.reference.epoch)})
             write_text(tmp / CONFIG_FILE, parts.config.to_yaml())
             trained = {
                 "model.pretrained": parts.config.model.pretrained,
@@ -178,6 +181,7 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
         with reading(adapter_file):
             weights = load_file(str(adapter_file))
         ema = read_weights(checkpoint, ema=True) if parts.ema is not None else None
+        reference = _read_reference(checkpoint) if parts.reference is not None else None
         state = read_json(checkpoint / STATE_FILE)
         rng = read_rng_state(checkpoint, acc.process_index)
     except CheckpointError as err:
@@ -196,6 +200,9 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
             f"warning: checkpoint written by {state['world_size']} processes, resuming on {acc.num_processes}; "
             "the epoch plan is unchanged but per-process noise differs"
         )
+    if parts.reference is not None:
+        saved, epoch = reference or ({}, None)
+        parts.reference.load([saved[n] for n in trainable_names(model)] if saved else None, epoch, parts.params)
     for key in RESTORED:
         if key in state:
             setattr(parts.state, key, state[key])
@@ -242,6 +249,23 @@ def resume_run(
         if lock is not None:
             lock.abandon()
         raise
+
+
+def _save_named(file: Path, names: list[str], tensors: list[torch.Tensor], metadata: dict[str, str]) -> None:
+    """``tensors`` under the trainable parameters' saved ``names`` (the EMA's, the reference's), with ``metadata``."""
+    with writing(file):
+        save_file({n: t.contiguous() for n, t in zip(names, tensors, strict=True)}, str(file), metadata=metadata)
+
+
+def _read_reference(checkpoint: Path) -> tuple[dict[str, torch.Tensor], int] | None:
+    """The KL reference's snapshot in ``checkpoint`` and the epoch it was taken at, or None: it holds none."""
+    file = checkpoint / REFERENCE_FILE
+    if not file.is_file():
+        return None
+    with reading(file):
+        with safe_open(str(file), "pt") as handle:
+            epoch = int((handle.metadata() or {})["epoch"])
+        return load_file(str(file)), epoch
 
 
 def _raise(failure: BaseException | None, elsewhere: str) -> None:

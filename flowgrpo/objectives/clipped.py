@@ -22,8 +22,11 @@ from samplers import transition_kl
 
 from ..rollout import evaluate_transitions, stored_log_probs
 from .base import MicroBatch, Objective, register_objective
+from .kl import gated_mean, kl_gate
 
 if TYPE_CHECKING:
+    from samplers import Transition
+
     from ..adapters import PipelineAdapter
     from ..config import Config
     from ..rollout import Trajectory
@@ -53,7 +56,7 @@ def grpo_loss(
 ) -> tuple[Tensor, LossStats]:
     """``mean(max(-A·r, -A·clip(r, 1-ε, 1+ε))) + β·mean(KL)`` with ``r = exp(logp - logp_old)``.
 
-    log_prob, old_log_prob, advantages, kl: [B] for one trained timestep.
+    log_prob, old_log_prob, advantages: [B] for one trained timestep; kl: [B], or the micro-batch's KL term (scalar).
     """
     if not (log_prob.shape == old_log_prob.shape == advantages.shape):
         raise ValueError(
@@ -91,13 +94,26 @@ def timestep_loss(
     if advantages.ndim == 2:
         advantages = advantages.gather(1, positions.view(-1, 1).to(advantages.device)).squeeze(1)
     new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
-    kl = None
-    if cfg.grpo.kl.beta > 0:  # β = 0 skips the reference forward entirely
-        with torch.no_grad(), adapter.adapter_disabled():
-            ref = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
-        kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, cfg.grpo.log_prob_reduce)
+    kl = reference_kl(adapter, cfg, sub, positions, new)
     old = stored_log_probs(sub, positions).to(new.log_prob.device)
     return grpo_loss(new.log_prob, old, advantages, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
+
+
+def reference_kl(
+    adapter: PipelineAdapter, cfg: Config, sub: Trajectory, positions: Tensor, new: Transition
+) -> Tensor | None:
+    """The KL term of one trained timestep (scalar): each transition's KL to the reference model's (``new``: the
+    transitions under the current weights, ``grpo.kl.convention``), averaged over the micro-batch's samples, or with
+    ``grpo.kl.gate`` over its gated ones (:func:`~.kl.gated_mean`). None when β = 0, 0 when none is gated: either way
+    without the reference forward."""
+    if cfg.grpo.kl.beta <= 0:
+        return None
+    gate, reduce = kl_gate(sub), cfg.grpo.log_prob_reduce
+    if gate is not None and not gate.any():
+        return torch.zeros((), device=new.log_prob.device)
+    with torch.no_grad(), adapter.reference():
+        ref = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce)
+    return gated_mean(transition_kl(new, ref.mean, cfg.grpo.kl.convention, reduce), gate)
 
 
 @register_objective("clipped")

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..checks import ConfigError, check_range
 from .base import Objective
+from .kl import gated_mean, kl_gate
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
@@ -84,8 +85,9 @@ def velocity(adapter: PipelineAdapter, point: NoisedPoint, sub: Trajectory) -> T
 
 
 def reference_velocity(adapter: PipelineAdapter, point: NoisedPoint, sub: Trajectory) -> Tensor:
-    """The adapter-disabled (reference) model's velocity at ``point`` (fp32), without gradient."""
-    with torch.no_grad(), adapter.adapter_disabled():
+    """The reference model's velocity at ``point`` (fp32), without gradient: the adapter-disabled model, or the reset
+    reference's weights (``grpo.kl.reset_every``, :mod:`.reference`)."""
+    with torch.no_grad(), adapter.reference():
         return velocity(adapter, point, sub)
 
 
@@ -97,13 +99,15 @@ def velocity_kl(
     v: Tensor,
     reference: Tensor | None = None,
 ) -> Tensor:
-    """β > 0: mean |v - v_ref|² to the adapter-disabled model at the same point (one forward without gradient, or
-    ``reference`` when the caller has it already); else 0 without a forward."""
-    if beta <= 0:
+    """β > 0: mean |v - v_ref|² to the reference model at the same point (one forward without gradient, or
+    ``reference`` when the caller has it already), over the micro-batch's samples, with ``grpo.kl.gate`` over its
+    gated ones (:func:`~.kl.gated_mean`); else, or with none gated, 0 without a forward."""
+    gate = kl_gate(sub)
+    if beta <= 0 or (gate is not None and not gate.any()):
         return torch.zeros((), device=v.device)
     if reference is None:
         reference = reference_velocity(adapter, point, sub)
-    return (v - reference).pow(2).flatten(1).mean(dim=1).mean()
+    return gated_mean((v - reference).pow(2).flatten(1).mean(dim=1), gate)
 
 
 def flow_matching_error(v: Tensor, point: NoisedPoint) -> Tensor:

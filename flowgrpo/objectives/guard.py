@@ -65,12 +65,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from samplers import reduce_per_sample, transition_kl
+from samplers import reduce_per_sample
 
 from ..checks import ConfigError, one_of
 from ..rollout import evaluate_transitions, stored_log_probs, stored_means
 from .base import MicroBatch, Objective, register_objective
-from .clipped import grpo_loss
+from .clipped import grpo_loss, reference_kl
 from .nft import OldWeights
 
 if TYPE_CHECKING:
@@ -176,11 +176,7 @@ def guard_timestep_loss(
         with torch.no_grad(), old_weights.swapped_in():
             old_mean = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce).mean
     new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce)
-    kl = None
-    if cfg.grpo.kl.beta > 0:  # as clipped: β = 0 skips the reference forward
-        with torch.no_grad(), adapter.adapter_disabled():
-            ref = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce)
-        kl = transition_kl(new, ref.mean, cfg.grpo.kl.convention, reduce)
+    kl = reference_kl(adapter, cfg, sub, positions, new)  # as clipped's (None at β = 0: no reference forward)
     old = stored_log_probs(sub, positions).to(new.log_prob.device)
     extra: dict[str, Tensor] = {}
     if settings.ratio_norm:
