@@ -2,7 +2,8 @@
 held-out line; writes a markdown table and a reward-curve plot.
 
 python scripts/compare_methods.py [--presets shapes shapes_awm shapes_nft] [--seeds 0 1 2] [--minutes 3.5]
-    [--budgets 1 2] [--clock cpu] [--jobs 2] [--work runs/compare_methods] [--out docs/methods.md] [key.sub=value ...]
+    [--budgets 1 2] [--clock cpu] [--jobs 2] [--processes 1] [--work runs/compare_methods] [--out docs/methods.md]
+    [key.sub=value ...]
 
 Each preset (``configs/<preset>.yaml`` or a path) trains under ``run.max_minutes = minutes × budget`` on one thread
 (``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time. The budget's clock (``run.budget_clock``) is by default the
@@ -13,6 +14,16 @@ that spent the budget (the preset's
 ``run.epochs`` is therefore refused). The shipped model is evaluated under each seed's noise too, and a gain is
 the trained model's accuracy minus the base model's under the same seed. Runs already finished under ``--work``
 are reused (delete the folder to redo them).
+
+``--processes N`` (N > 1) launches each training as N processes of one thread under DDP (``accelerate launch
+--multi_gpu``, which on a machine without GPUs runs torchrun and the trainer on the CPU with gloo), to measure a
+method at "M minutes on this machine's N cores": ``--processes 2 --jobs 1 --clock wall``. It needs ``--clock wall``
+(the CPU clock is per process) and is refused with ``--jobs > 1`` when processes × jobs exceed the machine's cores
+(the runs would share cores, and a wall-clock budget would be unfair). ``train.batch_size`` is per process: the
+presets are not changed, so pass e.g. ``train.batch_size=16`` to keep a 32-per-process preset's optimizer steps per
+epoch at 2 processes (a warning says when they differ from the preset's at one process). Its runs are cached apart
+(``<preset>-<minutes>min-wall-<N>proc``); rank 0 writes the run's metrics and checkpoints, which are evaluated as
+a one-process run's.
 
 The table reports, per preset and budget: colour+count and exact gain (mean ± sample std over seeds, and each
 seed's), colour+count pass@8, minutes on the budget's clock, epochs, images sampled and optimizer steps. A
@@ -52,6 +63,7 @@ class Run:
     images_per_epoch: int = 0
     overrides: list[str] = field(default_factory=list)  # this run's own, before the ones given to every run
     name: str = ""  # the label of its table row and curve; default the preset's stem
+    processes: int = 1  # its training's DDP processes (--processes), one thread each
 
     @property
     def label(self) -> str:
@@ -71,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="run.budget_clock of every run")
     parser.add_argument("--budgets", nargs="+", type=float, default=[1.0], help="multiples of --minutes")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="DDP processes of one thread per training run (accelerate launch); > 1 needs --clock wall and "
+        "processes x jobs within the machine's cores. train.batch_size is per process and presets are not changed: "
+        "pass e.g. train.batch_size=16 to keep a 32-per-process preset's optimizer steps with 2 processes",
+    )
     parser.add_argument("--eval-samples", type=int, default=8, help="images per held-out line")
     parser.add_argument("--work", default="runs/compare_methods")
     parser.add_argument("--out", default="docs/methods.md")
@@ -84,8 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     if configs is None:
         return 2
     work = Path(args.work)
+    procs = f"-{args.processes}proc" if args.processes > 1 else ""
     runs = [
-        Run(p, b, s, work / f"{_stem(p)}-{args.minutes * b:g}min-{args.clock}" / f"seed{s}")
+        Run(
+            p,
+            b,
+            s,
+            work / f"{_stem(p)}-{args.minutes * b:g}min-{args.clock}{procs}" / f"seed{s}",
+            processes=args.processes,
+        )
         for b in args.budgets
         for p in args.presets
         if b in budgets_of[p]
@@ -130,10 +157,18 @@ POOL = ProcessPoolExecutor  # runs the trainings and evaluations, --jobs at a ti
 def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
     """``{key: config}`` for ``setups``' ``{key: (preset, overrides)}``; None, said on stderr, when a config does not
     load, its lr schedule depends on ``run.epochs`` (which a time budget leaves open) or ``args``' ``--jobs``,
-    ``--eval-samples`` or ``--minutes`` is out of range."""
-    from flowgrpo.config import ConfigError, load_config
+    ``--eval-samples`` or ``--minutes`` is out of range, or ``--processes`` (default 1) does not fit
+    (:func:`processes_problem`, or a config's batches at that many processes). With several processes, warns on
+    stderr when a config's optimizer steps per epoch differ from its preset's at one process (``train.batch_size``
+    is per process)."""
+    from flowgrpo.config import ConfigError, load_config, optimizer_steps_per_epoch, validate
 
-    configs = {}
+    processes = getattr(args, "processes", 1)
+    problem = processes_problem(processes, args.jobs, args.clock)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return None
+    configs, steps = {}, {}
     try:
         for key, (preset, overrides) in setups.items():
             configs[key] = load_config(_preset_path(preset), overrides)
@@ -142,13 +177,62 @@ def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
                     f"{key}: train.lr_schedule={configs[key].train.lr_schedule} depends on run.epochs, "
                     "which a time budget leaves open: compare with train.lr_schedule=constant"
                 )
+            if processes > 1:
+                validate(configs[key], processes)  # its batches at that many processes
+                steps[key] = (
+                    _steps_at_one_process(preset, overrides, args.overrides),
+                    optimizer_steps_per_epoch(configs[key], processes),
+                )
     except (ConfigError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
     if args.jobs < 1 or args.eval_samples < 1 or args.minutes <= 0:
         print("error: --jobs and --eval-samples must be >= 1 and --minutes > 0", file=sys.stderr)
         return None
+    for key, (one, many) in steps.items():
+        if one is not None and one != many:
+            batch = configs[key].train.batch_size
+            hint = f": e.g. train.batch_size={batch * many // one} keeps them" if batch * many % one == 0 else ""
+            print(
+                f"warning: {key} takes {many} optimizer steps per epoch at {processes} processes, its preset {one} at "
+                f"one process (train.batch_size is per process{hint})",
+                file=sys.stderr,
+            )
+    if processes > (os.cpu_count() or 1):
+        print(f"warning: --processes {processes} on {os.cpu_count()} cores: its processes share cores", file=sys.stderr)
     return configs
+
+
+def _steps_at_one_process(preset: str, overrides: list[str], given: list[str]) -> int | None:
+    """Optimizer steps per epoch of ``preset`` at one process, under ``overrides`` less the trailing ``given`` to every
+    run (the command line's, e.g. a per-process ``train.batch_size``): a run's own overrides stay (a sampler's).
+    None when that config does not load."""
+    from flowgrpo.config import ConfigError, load_config, optimizer_steps_per_epoch
+
+    cut = len(overrides) - len(given)
+    own = overrides[:cut] if cut >= 0 and overrides[cut:] == list(given) else []
+    try:
+        return optimizer_steps_per_epoch(load_config(_preset_path(preset), own), 1)
+    except ConfigError:
+        return None
+
+
+def processes_problem(processes: int, jobs: int, clock: str) -> str | None:
+    """Why ``--processes`` cannot run with ``--jobs`` and ``--clock`` (None when it can)."""
+    if processes < 1:
+        return "--processes must be >= 1"
+    if processes > 1 and clock == "cpu":
+        return (
+            f"--processes {processes} with --clock cpu: the CPU clock is per process, so a run's budget would not be "
+            f"its {processes} processes' time; use --clock wall"
+        )
+    cores = os.cpu_count() or 1
+    if processes > 1 and jobs > 1 and processes * jobs > cores:
+        return (
+            f"--processes {processes} × --jobs {jobs} = {processes * jobs} processes on {cores} cores: the runs would "
+            "share cores, and a wall-clock budget would be unfair to them; use --jobs 1 (or fewer processes)"
+        )
+    return None
 
 
 def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: str) -> dict[int, dict] | None:
@@ -210,9 +294,13 @@ def _train(run: Run, minutes: float, overrides: list[str], clock: str = "cpu") -
 
         shutil.rmtree(run.folder)
     run.folder.mkdir(parents=True)
+    script = str(ROOT / "scripts" / "train.py")
+    if run.processes > 1:  # DDP through accelerate: torchrun on a machine without GPUs, the trainer on gloo
+        script_launch = [sys.executable, "-m", "accelerate.commands.launch", *launcher(run.processes), script]
+    else:
+        script_launch = [sys.executable, script]
     command = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
+        *script_launch,
         "--config",
         str(_preset_path(run.preset)),
         *run.overrides,
@@ -229,6 +317,13 @@ def _train(run: Run, minutes: float, overrides: list[str], clock: str = "cpu") -
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with open(run.folder / "train.log", "w", encoding="utf-8") as log:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+
+
+def launcher(processes: int) -> list[str]:
+    """``accelerate launch``'s flags for ``processes`` DDP processes on this machine (tests/test_distributed.py's):
+    ``--cpu`` would start one process; port 0 lets accelerate pick a free one for each launch."""
+    flags = f"--multi_gpu --num_processes {processes} --num_machines 1 --mixed_precision no --dynamo_backend no"
+    return [*flags.split(), "--main_process_port", "0"]
 
 
 def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]:
@@ -324,10 +419,12 @@ def write_table(
     command = " ".join(["python scripts/compare_methods.py", *sys.argv[1:]]) if argv_shown is None else argv_shown
     evaluated = int(base[args.seeds[0]].get("images", 0))
     clock_name = "CPU time" if args.clock == "cpu" else "wall-clock"
+    processes = getattr(args, "processes", 1)
+    where = "one thread" if processes == 1 else f"{processes} processes, one thread each (DDP)"
     lines = [
         "# Methods on the shapes task",
         "",
-        f"Written by `{command}`: each preset trained on one thread ({args.jobs} runs at a time) for "
+        f"Written by `{command}`: each preset trained on {where} ({args.jobs} runs at a time) for "
         f"{args.minutes:g} minutes × the budget ({clock_name}), then its final model evaluated with "
         f"{args.eval_samples} images per "
         f"held-out line ({evaluated} images). Gains are in points against the shipped "
@@ -427,7 +524,9 @@ def write_curves(runs: list[Run], path: Path, minutes: float, clock: str = "time
         ax.fill_between(grid[seen], low, high, color=line.get_color(), alpha=0.15, lw=0)
     for budget in sorted({r.budget for r in runs}):
         ax.axvline(minutes * budget, color="grey", ls=":", lw=1)
-    ax.set_xlabel("CPU minutes, one thread" if clock == "time/cpu" else "wall-clock minutes, one thread")
+    processes = max((run.processes for run in runs), default=1)
+    where = "one thread" if processes == 1 else f"{processes} processes, one thread each"
+    ax.set_xlabel(f"CPU minutes, {where}" if clock == "time/cpu" else f"wall-clock minutes, {where}")
     ax.set_ylabel("training reward, mean of the last 5 epochs")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -1,11 +1,16 @@
-"""scripts/compare_methods.py's arithmetic: gains against each seed's base, the noise verdict, the table's rows."""
+"""scripts/compare_methods.py's arithmetic: gains against each seed's base, the noise verdict, the table's rows;
+--processes' DDP launch (training faked), its folders and refusals."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
+import os
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,3 +74,74 @@ def test_a_preset_may_name_its_own_budgets():
         "shapes_nft": [1.0],
         "x.yaml": [2.0],
     }
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """The training subprocess and the evaluations faked (a run folder as rank 0 writes it); returns the commands and
+    their environments."""
+    launched = []
+
+    def run(command, stdout=None, stderr=None, env=None, cwd=None):
+        launched.append((command, env))
+        output = Path(next(a for a in command if a.startswith("run.output_dir=")).partition("=")[2])
+        folder = output / "20260101-000000"
+        (folder / "checkpoints" / "epoch-00002").mkdir(parents=True)
+        rows = [{"reward/total/mean": 0.5, "time/elapsed": 6.0 * (e + 1), "global_step": 4 * (e + 1)} for e in range(2)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "curves.png").write_bytes(b"")
+        return subprocess.CompletedProcess(command, 0)
+
+    def evaluate(*_, **__):
+        return {cm.COLOR_COUNT: 0.5, cm.EXACT: 0.4, f"{cm.COLOR_COUNT}/pass@1": 0.5, "images": 96.0}
+
+    monkeypatch.setattr(cm, "POOL", ThreadPoolExecutor)
+    monkeypatch.setattr(cm.subprocess, "run", run)
+    monkeypatch.setattr(cm, "_evaluate_run", evaluate)
+    monkeypatch.setattr(cm, "_evaluate_base", evaluate)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    return launched
+
+
+def test_two_processes_launch_each_run_under_ddp_in_its_own_folder(fake_training, tmp_path, capsys):
+    work = tmp_path / "work"
+    argv = ["--presets", "shapes", "--seeds", "0", "--minutes", "0.5", "--processes", "2", "--jobs", "1"]
+    argv += ["--clock", "wall", "--eval-samples", "1", "--work", str(work), "--out", str(tmp_path / "m.md")]
+    assert cm.main([*argv, "train.batch_size=16"]) == 0
+    ((command, env),) = fake_training
+    train = str(ROOT / "scripts" / "train.py")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *cm.launcher(2), train]
+    assert command[: command.index(train) + 1] == launch  # tests/test_distributed.py's DDP flags, a free port
+    assert " ".join(cm.launcher(2)) == (
+        "--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port 0"
+    )
+    assert "train.batch_size=16" in command and "run.budget_clock=wall" in command
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+    assert (work / "shapes-0.5min-wall-2proc" / "seed0" / "train.log").is_file()
+    assert "2 processes, one thread each" in (tmp_path / "m.md").read_text()
+    assert "warning" not in capsys.readouterr().err  # 16 per process × 2: the preset's 4 optimizer steps of 32
+
+    args = cm.argparse.Namespace(processes=2, jobs=1, clock="wall", eval_samples=1, minutes=1.0, overrides=[])
+    assert cm.load_budgeted({"shapes": ("shapes", [])}, args) is not None
+    assert "takes 2 optimizer steps per epoch at 2 processes, its preset 4" in capsys.readouterr().err
+
+    fake_training.clear()  # one process: the command as before, the folder without a process count
+    assert cm.main([*argv[:6], "--jobs", "1", *argv[10:]]) == 0
+    ((command, _),) = fake_training
+    assert command[:2] == [sys.executable, train] and (work / "shapes-0.5min-wall" / "seed0").is_dir()
+    assert "trained on one thread" in (tmp_path / "m.md").read_text()
+
+
+def test_several_processes_are_refused_on_the_cpu_clock_and_on_shared_cores(
+    fake_training, monkeypatch, tmp_path, capsys
+):
+    argv = ["--presets", "shapes", "--seeds", "0", "--processes", "2", "--work", str(tmp_path)]
+    assert cm.main([*argv, "--jobs", "1"]) == 2  # --clock cpu, the default
+    assert "the CPU clock is per process" in capsys.readouterr().err
+    assert cm.main([*argv, "--jobs", "2", "--clock", "wall"]) == 2  # 4 processes on 2 cores
+    assert "share cores, and a wall-clock budget would be unfair" in capsys.readouterr().err
+    assert cm.main([*argv, "--jobs", "1", "--processes", "0", "--clock", "wall"]) == 2
+    assert fake_training == [] and not list(tmp_path.iterdir())
+    assert cm.processes_problem(2, 2, "wall") is not None and cm.processes_problem(1, 2, "cpu") is None
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert cm.processes_problem(2, 2, "wall") is None
