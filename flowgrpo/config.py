@@ -164,7 +164,8 @@ class SamplerConfig:
     rollout: str = "chain"  # how an epoch's samples are produced (flowgrpo.rollouts): chain = one chain per image |
     #                         branch = a group's ODE trunk branched by one SDE step (TempFlow-GRPO, sampler.branch) |
     #                         iso_temporal (Flash-GRPO) | tree (BranchGRPO, sampler.tree) | entropy_merge (E-GRPO,
-    #                         sampler.entropy_merge) | dense (TP-GRPO, VGPO: sampler.dense) | any registered one
+    #                         sampler.entropy_merge) | dense (TP-GRPO, VGPO: sampler.dense) | offline (groups
+    #                         sampled once and served from a store, sampler.offline: GDRO) | any registered one
     kind: str = "euler_maruyama"
     diffusion: str = "flowgrpo"
     score_eval: str = "frozen"
@@ -206,7 +207,8 @@ class AdvantageConfig:
 
     estimator: str = "group"  # group: unbiased std of the group (DanceGRPO, MixGRPO) | global_std: population std of
     #                           all the epoch's rewards (np.std, Flow-GRPO's global_std=True) | per_reward: advantages
-    #                           per reward, summed with the reward weights (MixGRPO) | any registered estimator
+    #                           per reward, summed with the reward weights (MixGRPO) | centered: R - group mean, no
+    #                           std (Dr. GRPO; GDRO's reward softmax) | any registered estimator
     clip: float = 5.0  # > 0: advantages are clipped to ±clip
     normalize_weights: bool = False  # per_reward: weights divided by their sum first (MixGRPO); else summed as given
     std_eps: float = 1.0e-4  # A = (R - mean) / (std + std_eps): Flow-GRPO 1e-4, DanceGRPO / MixGRPO 1e-8

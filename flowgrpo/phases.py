@@ -65,3 +65,11 @@ class PhaseTimer:
             row["idle"] = row["wall"] - sum(row[p] for p in PHASES)
             out.append(row)
         return out
+
+    def summary(self) -> str:
+        """The seconds of each phase over the complete epochs this timer saw, as one line (the run's cost split:
+        sampling against training, for instance)."""
+        rows = self.epochs()
+        totals = {p: sum(r[p] for r in rows) for p in PHASES}
+        shown = ", ".join(f"{p.replace('_', ' ')} {totals[p]:.1f} s" for p in PHASES)
+        return f"time over {len(rows)} epoch(s): {shown}, wall {sum(r['wall'] for r in rows):.1f} s"

@@ -195,6 +195,7 @@ class GRPOTrainer:
                 should_stop=self._agree_to_stop,
                 progress=self._bars,
                 score=self._score_now,
+                run_dir=self.run_dir,
             )
         )
         self.stepper = AccumulatingStepper(
@@ -324,6 +325,7 @@ class GRPOTrainer:
                 if done:
                     break
         self.phases.mark("end")
+        acc.print(self.phases.summary())
         self._finish()
         return self.state
 
@@ -359,7 +361,8 @@ class GRPOTrainer:
         # ================================ SCORE ================================
         start = time.perf_counter()
         with self.scorer:
-            local_scores = _cat_scores(self.scorer.results())
+            # a strategy may bring its samples' rewards (an offline store's): then nothing was submitted
+            local_scores = _cat_scores(self.scorer.results()) if collected.scores is None else collected.scores
         timings["time/reward_wait"] = self.phases.add("reward_wait", start)
         if cfg.run.image_grid_every and epoch % cfg.run.image_grid_every == 0 and acc.is_main_process:
             self._save_sample_grid(trajectory, local_scores["total"], epoch)

@@ -1,6 +1,7 @@
 """Group-relative advantages (GRPO): each image's reward against the other images of its prompt.
 
-The estimators ``group`` (the default), ``global_std`` (Flow-GRPO) and ``per_reward`` (MixGRPO).
+The estimators ``group`` (the default), ``global_std`` (Flow-GRPO), ``per_reward`` (MixGRPO) and ``centered`` (no
+std: the rewards' own scale, as Dr. GRPO and GDRO's reward softmax use them).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ def group_advantages(
 
     rewards, group_ids: [N] over *all* processes' samples of the epoch (gather before calling).
     std: ``group`` — the unbiased std of the sample's group (``torch.std``, as DanceGRPO and MixGRPO);
-    ``global`` — the population std of all N rewards (``np.std``, as Flow-GRPO's ``global_std=True``).
+    ``global`` — the population std of all N rewards (``np.std``, as Flow-GRPO's ``global_std=True``);
+    ``none`` — no division: ``R_i - mean_G(i)``, in the rewards' own units.
     """
     if rewards.shape != group_ids.shape or rewards.ndim != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
-    if std not in ("group", "global"):
-        raise ValueError(f"advantage std must be 'group' or 'global', got {std!r}")
+    if std not in ("group", "global", "none"):
+        raise ValueError(f"advantage std must be 'group', 'global' or 'none', got {std!r}")
     rewards = rewards.double()
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     if bool((counts < 2).any()):
@@ -40,8 +42,10 @@ def group_advantages(
         # Unbiased std within each group, as torch.std.
         sq = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centered**2)
         scale = torch.sqrt(sq / (counts - 1))[inverse]
-    else:
+    elif std == "global":
         scale = rewards.std(correction=0)
+    else:
+        return centered.clamp(-clip, clip).float()
     return (centered / (scale + eps)).clamp(-clip, clip).float()
 
 
@@ -60,6 +64,14 @@ def global_std(inputs: AdvantageInputs, settings: Any) -> Tensor:
     return group_advantages(
         inputs.scores["total"], inputs.group_ids, std="global", clip=settings.clip, eps=settings.std_eps
     )
+
+
+@register_advantage_estimator("centered")
+def centered(inputs: AdvantageInputs, settings: Any) -> Tensor:
+    """The weighted total against its group's mean, not divided by any std (Dr. GRPO, Liu et al. arXiv 2503.20783),
+    clipped to ``±settings.clip``: differences in the rewards' own units. Within a group these are the rewards up to
+    one shift, so a softmax over a group's advantages is the softmax of its rewards (GDRO's target, ``grpo.gdro``)."""
+    return group_advantages(inputs.scores["total"], inputs.group_ids, std="none", clip=settings.clip)
 
 
 @register_advantage_estimator("per_reward")

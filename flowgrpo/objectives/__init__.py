@@ -9,13 +9,15 @@
   final samples.
 - ``dpo`` (:mod:`.dpo`): online Diffusion-DPO on each group's best and worst image.
 - ``sft`` (:mod:`.sft`): online SFT / RAFT, the flow-matching loss on each group's best images.
+- ``gdro`` (:mod:`.gdro`): GDRO's Plackett–Luce cross-entropy between a group's implicit rewards (reference-relative
+  flow-matching errors) and its explicit rewards, for groups sampled once (``sampler.rollout: offline``).
 - ``fpo`` (:mod:`.fpo`): FPO's clipped surrogate on the ratio of flow-matching losses (an ELBO ratio) against the
   epoch's sampling weights, on the noised final samples.
 
 Add one with :func:`register_objective` on an :class:`Objective` subclass (see :mod:`.base`).
 """
 
-from . import awm, clipped, dgpo, dpo, flash, fpo, guard, nft, sft, tempflow  # noqa: F401  (register the built-ins)
+from . import awm, clipped, dgpo, dpo, flash, fpo, gdro, guard, nft, sft, tempflow  # noqa: F401  (register the built-ins)
 from .base import (
     OBJECTIVES,
     MicroBatch,

@@ -3,12 +3,13 @@
 Built in: ``chain`` (:mod:`.chain`); ``branch`` (:mod:`.branch`, TempFlow-GRPO's trajectory branching);
 ``iso_temporal`` (:mod:`.iso`, Flash-GRPO's iso-temporal grouping); ``dense``
 (:mod:`.dense`, the chain plus a reward for every stage of the window: TP-GRPO, VGPO); ``entropy_merge``
-(:mod:`.merged`, E-GRPO's merged SDE step on a branch rollout); ``tree`` (:mod:`.tree`, BranchGRPO). Add one
+(:mod:`.merged`, E-GRPO's merged SDE step on a branch rollout); ``tree`` (:mod:`.tree`, BranchGRPO); ``offline``
+(:mod:`.offline`, groups sampled once and served from a store: GDRO). Add one
 with :func:`register_rollout` on a :class:`RolloutStrategy` subclass (see :mod:`.base`). The per-batch sampler
 itself (SDE/ODE steps, window, prefix) is :mod:`flowgrpo.rollout`.
 """
 
-from . import branch, chain, dense, iso, merged, tree  # noqa: F401  (register the built-in strategies)
+from . import branch, chain, dense, iso, merged, offline, tree  # noqa: F401  (register the built-in strategies)
 from .base import (
     ROLLOUTS,
     Collected,

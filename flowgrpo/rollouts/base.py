@@ -11,7 +11,8 @@ it exists (rewards are scored in the background while the next batch samples) an
 :class:`~flowgrpo.rollout.Trajectory` with metrics about how it was produced; or None when ``context.should_stop()``
 said so between batches (every process must see the same number of batches). :meth:`RolloutStrategy.sample_batches`
 runs that loop; ``batch_inputs``, ``sampling_options`` and ``submit`` do a batch's common parts. The built-in
-strategies are listed in :mod:`flowgrpo.rollouts`; offline sources of stored samples would plug in here too. A
+strategies are listed in :mod:`flowgrpo.rollouts`; a source of stored samples (``offline``) returns their stored
+rewards as :attr:`Collected.scores` instead of submitting anything, and may keep files in ``context.run_dir``. A
 strategy with settings sets ``config_class`` (its section ``sampler.<name>.*``); what its estimator needs beyond the
 rewards travels in ``Trajectory.extras``.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -57,6 +59,7 @@ class RolloutContext:
     # (images, prompts, metadata, source images or None) -> the reward's scores now, in this thread ("total": [B]):
     # for strategies that score intermediate predictions (dense step rewards) rather than only the final images
     score: Callable[[Tensor, list[str], list[dict[str, Any]], Tensor | None], dict[str, Tensor]] | None = None
+    run_dir: Path | None = None  # the run's directory, for files a strategy keeps (an offline store it samples)
 
     def epoch_slots(self, epoch: int) -> list[EpochSample]:
         """This process's (prompt, group) slots of the epoch: ``grpo.groups_per_epoch`` prompts drawn from
@@ -74,6 +77,9 @@ class Collected:
 
     trajectory: Trajectory
     metrics: dict[str, float]
+    # The rewards of the trajectory's samples when the strategy already has them ("total" and one per reward, [B]
+    # each, in the trajectory's order: an offline store's); None: the reward scores what was submitted.
+    scores: dict[str, Tensor] | None = None
 
 
 class RolloutStrategy:
