@@ -51,7 +51,7 @@ from .evaluation import evaluate_shard, grid_prompts, image_grid, merge_shards, 
 from .memory import check_memory
 from .objectives import get_objective
 from .objectives.kl import kl_sample_weights
-from .objectives.reference import KLReference
+from .objectives.reference import KLReference, check_sharded
 from .optim import make_lr_factor, make_optimizer
 from .parallel import any_process, check_launch, cpu_launch_kwargs, full_tensor, is_deepspeed, is_fsdp
 from .phases import PhaseTimer
@@ -94,6 +94,7 @@ class GRPOTrainer:
         self.objective = get_objective(config.grpo.objective)(config)
         if self.objective.refuses_sharded and (self.deepspeed or self.fsdp):
             raise ConfigError(f"grpo.objective={config.grpo.objective} {self.objective.refuses_sharded}")
+        check_sharded(config, self.deepspeed or self.fsdp)  # grpo.kl.reset_every swaps parameters' storage, as nft
         self.train_data = PromptDataset.from_file(config.data.train, "data.train")
         self.test_data = PromptDataset.from_file(config.data.test, "data.test") if config.data.test else None
         few = small_prompt_set_warning(
@@ -115,7 +116,7 @@ class GRPOTrainer:
         check_editing(datasets, reward=self.reward)  # a reward comparing edits with their sources needs source images
         set_seed(config.run.seed)  # the LoRA initialisation is the same on every process, whatever the back-end
         self.adapter = build_adapter(config.model, acc.device)
-        self.kl_reference = KLReference(config, self.adapter, sharded=self.deepspeed or self.fsdp)  # reset_every
+        self.kl_reference = KLReference(config, self.adapter)  # grpo.kl.reset_every
         check_editing(datasets, adapter=self.adapter)  # source images need an editing model
         # Latents and rollout buffers that cannot fit are refused now, not by a failed allocation in the first epoch.
         stores = self.objective.rollout == "sde_window"
@@ -381,7 +382,8 @@ class GRPOTrainer:
         n_local = len(trajectory)
         # gather() concatenates in process order, so this process's rows are one contiguous block.
         advantages = advantages_all[self.rank * n_local : (self.rank + 1) * n_local]
-        for k, v in kl_sample_weights(cfg.grpo.kl, inputs, keep).items():  # the KL's per-sample gate (grpo.kl.gate)
+        kl_weights = kl_sample_weights(cfg.grpo.kl, inputs, keep)  # the KL's per-sample gate (grpo.kl.gate)
+        for k, v in kl_weights.items():
             trajectory.extras[k] = v[self.rank * n_local : (self.rank + 1) * n_local]
         if cfg.run.debug_dump:
             self._dump(
@@ -392,6 +394,7 @@ class GRPOTrainer:
                 all_group_ids=all_group_ids,
                 advantages=advantages,
                 advantages_all=advantages_all,
+                **{k: trajectory.extras[k] for k in kl_weights},  # this process's gate
             )
         self.phases.add("advantages", start)
 

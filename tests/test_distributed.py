@@ -187,6 +187,29 @@ def test_nft_under_ddp_trains_in_sync_and_resumes_exactly(tmp_path):
     _assert_same_finals(_resume_from_first_checkpoint(DDP, run_dir, tmp_path, *overrides), run_dir)
 
 
+# GARDO's gated KL with the reference reset (epoch 1 compares with a snapshot of the weights): at most 2 images of an
+# epoch's 16 gated, so the ranks' micro-batches differ in whether they run the reference forward.
+GATED = ["rewards={brightness: 1.0, jpeg_compressibility: 0.0}", "grpo.kl.beta=0.1", "grpo.kl.reset_every=1"]
+GATED += ["grpo.kl.gate.auxiliary=[jpeg_compressibility]", "grpo.kl.gate.fraction=0.1"]
+GATED += ["eval.every=0", "checkpoint.every=0"]
+
+
+def test_the_gated_kl_under_ddp_skips_reference_forwards_on_one_rank_and_stays_in_sync(tmp_path):
+    """grpo.kl.gate: a micro-batch without a gated sample skips the reference forward, and which micro-batches hold
+    one differs between the ranks. The reference forwards run on the module DDP wraps (``adapter.without_ddp``):
+    through the wrapper each would broadcast the buffers (SD3's ``pos_embed``), a collective the other rank does
+    not make then, which pairs with its gradient all-reduce instead (a hang, or a gradient summed with a buffer).
+    The run finishes, and both ranks end with the same weights."""
+    run_dir = _run(DDP, tmp_path, *GATED)
+    debug = run_dir / "debug"
+    gated = [[torch.load(debug / f"epoch{e}_rank{r}.pt")["kl_gate"].sum().item() for r in range(2)] for e in range(2)]
+    # In each epoch one rank holds a gated image the other does not: it runs reference forwards the other skips.
+    assert all(min(g) == 0 < max(g) for g in gated), gated
+    finals = [_final(run_dir, r) for r in range(2)]
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
 def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop, checkpoint once and exit (torchrun itself
     then reports the signal: exit code 143)."""

@@ -20,13 +20,14 @@ from test_awm import _setup, awm_loss
 from test_guard import _setup as _sde_setup
 
 import flowgrpo.objectives.clipped as clipped_module
+import flowgrpo.trainer as trainer_module
 from flowgrpo.advantages import AdvantageInputs, compute_advantages
 from flowgrpo.advantages.diversity import FEATURES, amplify_diverse, diversity_features
 from flowgrpo.checkpoint import list_checkpoints
 from flowgrpo.config import AdvantageConfig, ConfigError, load_config
 from flowgrpo.objectives.clipped import timestep_loss
 from flowgrpo.objectives.forward import noised_point, reference_velocity, velocity, velocity_kl
-from flowgrpo.objectives.kl import GATE, kl_sample_weights, uncertainty, win_rates
+from flowgrpo.objectives.kl import GATE, gated_samples, kl_sample_weights, uncertainty, win_rates
 from flowgrpo.objectives.reference import KLReference
 from flowgrpo.rollout import evaluate_transitions
 from flowgrpo.trainer import GRPOTrainer
@@ -71,18 +72,49 @@ def test_the_gate_holds_the_samples_the_trained_reward_ranks_above_the_auxiliari
     u = uncertainty({"total": TOTAL, "a": AUX_A, "b": AUX_B}, ["a", "b"])
     # U = w(total) - (w(a) + w(b)) / 2 = [0.9 - 0.4, 0.9 - 0.5, 0.4 - 0.6, 0 - 0.6, 0.2 - 0.5, 0.6 - 0.4]
     torch.testing.assert_close(u, torch.tensor([0.5, 0.4, -0.2, -0.6, -0.3, 0.2], dtype=torch.float64))
-    # fraction 0.3: ceil(1.8) = 2 samples, the two of largest U; 0.5: three; 1.0: every sample with U > 0 (three).
-    assert _gate(0.3).tolist() == [1, 1, 0, 0, 0, 0]
-    assert _gate(0.5).tolist() == [1, 1, 0, 0, 0, 1]
+    # The count is a share of the M = 3 samples of U >= 0 (GARDO: a percentile of those): fraction 0.3 gates
+    # ceil(0.9) = 1 sample, the one of largest U; 0.5: ceil(1.5) = 2; 1.0: every sample with U > 0 (three).
+    assert _gate(0.3).tolist() == [1, 0, 0, 0, 0, 0]
+    assert _gate(0.5).tolist() == [1, 1, 0, 0, 0, 0]
     assert _gate(1.0).tolist() == [1, 1, 0, 0, 0, 1]
     # under (the sign of GARDO's code): -U = [-0.5, -0.4, 0.2, 0.6, 0.3, -0.2], the auxiliaries rank them higher.
-    assert _gate(0.3, "under").tolist() == [0, 0, 0, 1, 1, 0]
+    assert _gate(0.3, "under").tolist() == [0, 0, 0, 1, 0, 0]
+    assert _gate(0.5, "under").tolist() == [0, 0, 0, 1, 1, 0]
     assert _gate(1.0, "under").tolist() == [0, 0, 1, 1, 1, 0]
     # A group the NaN policy dropped is never gated, and the others are ranked among themselves (3 samples, / 2):
-    # total 0.75 0.75 0; a 0 1 0.5; b 0.75 0 0.75 -> U = 0.375, 0.25, -0.625: fraction 0.5 gates ceil(1.5) = 2.
-    assert _gate(0.5, keep=GROUPS == 0).tolist() == [1, 1, 0, 0, 0, 0]
+    # total 0.75 0.75 0; a 0 1 0.5; b 0.75 0 0.75 -> U = 0.375, 0.25, -0.625: M = 2, fraction 0.5 gates ceil(1) = 1.
+    assert _gate(0.5, keep=GROUPS == 0).tolist() == [1, 0, 0, 0, 0, 0]
+    assert _gate(1.0, keep=GROUPS == 0).tolist() == [1, 1, 0, 0, 0, 0]
+    # U = 0 counts in M but is never gated; ties of U: the earlier first; 0.1 x 30 is 3 (not the float's 4).
+    assert gated_samples(torch.tensor([0.0, 0.0, 0.3, -0.1]), 0.5).tolist() == [0, 0, 1, 0]
+    assert gated_samples(torch.tensor([0.2, 0.1, 0.2, 0.2]), 0.5).tolist() == [1, 0, 1, 0]
+    assert gated_samples(torch.linspace(1, 30, 30), 0.1).sum().item() == 3
     with pytest.raises(ValueError, match="'a/typo', which the rewards did not return"):
         uncertainty({"total": TOTAL, "a": AUX_A}, ["a/typo"])
+
+
+def test_non_finite_auxiliary_scores_count_as_missing():
+    # A reward's extra score (key/sub) may be NaN or inf on some images, and the NaN policy does not look at it: the
+    # other images are ranked among themselves, and the image's U is against the auxiliaries that scored it.
+    assert torch.equal(
+        win_rates(torch.tensor([0.3, math.nan, 0.1, 0.3, math.inf])).isnan(), torch.tensor([0, 1, 0, 0, 1]).bool()
+    )
+    torch.testing.assert_close(  # among 0.3, 0.1, 0.3: (1 + ½) / 2 and 0
+        win_rates(torch.tensor([0.3, math.nan, 0.1, 0.3]))[[0, 2, 3]], torch.tensor([0.75, 0, 0.75]).double()
+    )
+    b = AUX_B.clone()
+    b[3] = math.nan
+    rates = win_rates(b)  # the five finite: ones (2 below + 2 ties / 2) / 4, zeros (0 + 1 / 2) / 4
+    torch.testing.assert_close(rates[[0, 1, 2, 4, 5]], torch.tensor([0.75, 0.125, 0.75, 0.75, 0.125]).double())
+    u = uncertainty({"total": TOTAL, "a": AUX_A, "b": b}, ["a", "b"])
+    # w(total) = [0.9, 0.9, 0.4, 0, 0.2, 0.6], w(a) = [0, 0.8, 0.4, 1, 0.2, 0.6]; sample 3 against a alone.
+    expected = [0.9 - 0.375, 0.9 - 0.4625, 0.4 - 0.575, 0 - 1.0, 0.2 - 0.475, 0.6 - 0.3625]
+    torch.testing.assert_close(u, torch.tensor(expected, dtype=torch.float64))
+    # No auxiliary scored the sample: no U, never gated, not counted among the U >= 0.
+    u = uncertainty({"total": TOTAL, "b": b}, ["b"])
+    assert u.isnan().tolist() == [False, False, False, True, False, False]
+    assert gated_samples(u, 1.0).tolist() == (u > 0).float().tolist()
+    assert gated_samples(torch.tensor([math.nan, 0.5, 0.2, -0.1]), 0.5).tolist() == [0, 1, 0, 0]
 
 
 def test_without_a_gate_there_are_no_per_sample_weights():
@@ -183,14 +215,30 @@ def test_a_reset_makes_the_reference_the_current_weights_and_the_kl_exactly_zero
         expected = velocity(adapter, point, traj)
         adapter.transformer = live
     torch.testing.assert_close(reference_velocity(adapter, point, traj), expected, rtol=0, atol=0)
+    # The KL's gradient, its reference forward (the snapshot swapped in) run after the forward that builds the graph,
+    # is the gradient against a frozen copy of the model at the reset: the swap leaves the graph's parameters alone.
+    at_reset.requires_grad_(False)
+    grads = []
+    for frozen in (False, True):
+        v = velocity(adapter, point, traj)
+        reference_v = None
+        if frozen:
+            with torch.no_grad():
+                live, adapter.transformer = adapter.transformer, at_reset
+                reference_v = velocity(adapter, point, traj)
+                adapter.transformer = live
+        velocity_kl(adapter, 0.5, point, traj, v, reference_v).backward()
+        grads.append([p.grad.clone() for p in params])
+        for p in params:
+            p.grad = None
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     reference.begin_epoch(3, params)  # not a reset epoch: unchanged
     assert reference.epoch == 2 and not torch.equal(reference.snapshot.saved[0], params[0])
     reference.begin_epoch(4, params)
     assert reference.epoch == 4 and all(
         torch.equal(s, p) for s, p in zip(reference.snapshot.saved, params, strict=True)
     )
-    with pytest.raises(ConfigError, match="grpo.kl.reset_every=2 swaps a snapshot .* under DeepSpeed or FSDP"):
-        KLReference(cfg, adapter, sharded=True)
 
 
 GARDO_TINY = [
@@ -322,8 +370,29 @@ def test_an_auxiliary_may_be_a_rewards_extra_score():
 
 
 def test_the_presets_turn_on_all_three_parts():
-    for name in ("shapes_gardo", "sd35m_gardo"):
+    # The values docs/recipes.md cites: beta, the gate's auxiliaries, share and sign (sd35m_gardo: GARDO's code's
+    # under; shapes_gardo: this project's over), the estimator, the reset every 16 epochs.
+    cited = {
+        "shapes_gardo": (0.1, ["shapes_strict"], 0.1, "over", "group"),
+        "sd35m_gardo": (0.04, ["aesthetic", "imagereward"], 0.1, "under", "centered"),
+    }
+    for name, (beta, auxiliary, fraction, direction, estimator) in cited.items():
         config = load_config(ROOT / "configs" / f"{name}.yaml")
         kl = config.grpo.kl
-        assert kl.beta > 0 and kl.gate.auxiliary and kl.reset_every == 16, name
+        assert (kl.beta, kl.gate.auxiliary, kl.gate.fraction, kl.gate.direction) == (
+            beta,
+            auxiliary,
+            fraction,
+            direction,
+        ), name
+        assert kl.reset_every == 16 and config.grpo.advantage.estimator == estimator, name
         assert config.grpo.advantage.diversity.enabled, name
+
+
+def test_reset_every_is_refused_under_deepspeed_or_fsdp_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(GRPOTrainer, "fsdp", property(lambda self: True))
+    monkeypatch.setattr(trainer_module, "build_reward", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    config = load_config(TINY, [f"run.output_dir={tmp_path}", *AWM, "grpo.kl.beta=0.1", "grpo.kl.reset_every=2"])
+    with pytest.raises(ConfigError, match="grpo.kl.reset_every=2 swaps a snapshot .* under DeepSpeed or FSDP"):
+        GRPOTrainer(config)
+    assert not list(tmp_path.iterdir())  # refused before the run directory was made

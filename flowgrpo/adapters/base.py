@@ -452,11 +452,32 @@ class PipelineAdapter:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The reference model (the KL term's; dpo's and dgpo's): the adapter-disabled transformer, or after a reset of
-        the reference the snapshot of the trainable weights (``reference_snapshot``) swapped in for the block."""
+        """The reference model (the KL term's; dpo's, dgpo's and gdro's): the adapter-disabled transformer, or after a
+        reset of the reference the snapshot of the trainable weights (``reference_snapshot``) swapped in for the block.
+        Its forwards run without DDP (:meth:`without_ddp`): a process may skip one (``grpo.kl.gate``)."""
         snapshot = self.reference_snapshot
-        with snapshot.swapped_in() if snapshot is not None else self.adapter_disabled():
+        with self.without_ddp(), snapshot.swapped_in() if snapshot is not None else self.adapter_disabled():
             yield
+
+    @contextlib.contextmanager
+    def without_ddp(self) -> Iterator[None]:
+        """Forwards through the module a DDP wrapper holds, for the forwards without gradient inside a loss (the
+        reference's, the old weights'): they need nothing from DDP, whose forward broadcasts the module's buffers
+        (``broadcast_buffers``; SD3's ``pos_embed``) from rank 0, a collective. Through the wrapper, a forward one
+        process runs and another skips (the gated KL's, with no gated sample on one process) would pair that
+        broadcast with another collective: a hang, or tensors summed into the wrong ones. Anything else stays as is:
+        one process, and DeepSpeed and FSDP, whose forwards gather the parameters they shard."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = self.transformer
+        if not isinstance(wrapped, DistributedDataParallel):
+            yield
+            return
+        self.transformer = wrapped.module
+        try:
+            yield
+        finally:
+            self.transformer = wrapped
 
     @contextlib.contextmanager
     def unwrapped(self) -> Iterator[None]:

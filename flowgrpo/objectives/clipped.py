@@ -105,7 +105,9 @@ def reference_kl(
     """The KL term of one trained timestep (scalar): each transition's KL to the reference model's (``new``: the
     transitions under the current weights, ``grpo.kl.convention``), averaged over the micro-batch's samples, or with
     ``grpo.kl.gate`` over its gated ones (:func:`~.kl.gated_mean`). None when β = 0, 0 when none is gated: either way
-    without the reference forward."""
+    without the reference forward, which runs without DDP (``adapter.reference()``), so a process that skips it issues
+    the same collectives as one that runs it. Called after ``new``'s graph-building forward: the reference's swap of
+    the parameters' storage is undone before the backward (:class:`~.nft.OldWeights`)."""
     if cfg.grpo.kl.beta <= 0:
         return None
     gate, reduce = kl_gate(sub), cfg.grpo.log_prob_reduce

@@ -101,7 +101,10 @@ def velocity_kl(
 ) -> Tensor:
     """β > 0: mean |v - v_ref|² to the reference model at the same point (one forward without gradient, or
     ``reference`` when the caller has it already), over the micro-batch's samples, with ``grpo.kl.gate`` over its
-    gated ones (:func:`~.kl.gated_mean`); else, or with none gated, 0 without a forward."""
+    gated ones (:func:`~.kl.gated_mean`); else, or with none gated, 0 without a forward. The forward runs without DDP
+    (``adapter.reference()``), so a process that skips it issues the same collectives as one that runs it. Called
+    after the forward that builds ``v``'s graph: the reference's swap of the parameters' storage is undone before
+    the backward (:class:`~.nft.OldWeights`)."""
     gate = kl_gate(sub)
     if beta <= 0 or (gate is not None and not gate.any()):
         return torch.zeros((), device=v.device)
@@ -135,13 +138,14 @@ def compare_to_reference(
     reference_weights: OldWeights | None = None,
 ) -> Compared:
     """A fresh (σ, ε) per ``share`` id (:func:`noised_point`), the velocity being trained, and the reference's at the
-    same point: the adapter-disabled model, or the weights ``reference_weights`` holds, swapped in for one forward
-    (before the forward that builds the graph, as :class:`~.nft.OldWeights` requires)."""
+    same point: ``adapter.reference()``, or the weights ``reference_weights`` holds, swapped in for one forward
+    without gradient and without DDP (``adapter.without_ddp()``). The swap is undone before the graph's backward, as
+    :class:`~.nft.OldWeights` requires; here it runs before the trained forward."""
     point = noised_point(adapter, settings, sub, generator, share)
     if reference_weights is None:
         reference = reference_velocity(adapter, point, sub)
     else:
-        with torch.no_grad(), reference_weights.swapped_in():
+        with torch.no_grad(), adapter.without_ddp(), reference_weights.swapped_in():
             reference = velocity(adapter, point, sub)
     v = velocity(adapter, point, sub)
     return Compared(point, v, reference, flow_matching_error(v, point), flow_matching_error(reference, point))

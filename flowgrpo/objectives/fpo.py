@@ -170,8 +170,8 @@ class FPO(OldWeightsObjective):
         sub, kl_beta, weighting = batch.trajectory, self.config.grpo.kl.beta, self.settings.weighting
         point = noised_point(adapter, self.settings, sub, batch.generator)
         old = None
-        if self.old_weights.moved():  # before the forward that builds the graph (OldWeights swaps the storage)
-            with torch.no_grad(), self.old_weights.swapped_in():
+        if self.old_weights.moved():  # OldWeights swaps the storage: undone before the backward, as it needs
+            with torch.no_grad(), adapter.without_ddp(), self.old_weights.swapped_in():
                 old = velocity(adapter, point, sub)
         v = velocity(adapter, point, sub)
         kl = velocity_kl(adapter, kl_beta, point, sub, v)  # to the base model, not the old weights

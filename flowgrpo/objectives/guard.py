@@ -172,8 +172,8 @@ def guard_timestep_loss(
         advantages = _at(advantages, positions)
     old_mean = stored_means(sub, positions) if settings.ratio_norm else None
     if settings.ratio_norm and old_mean is None and old_weights is not None and old_weights.moved():
-        # Before the forward that builds the graph (OldWeights swaps the parameters' storage).
-        with torch.no_grad(), old_weights.swapped_in():
+        # OldWeights swaps the parameters' storage for this forward only, undone before the backward.
+        with torch.no_grad(), adapter.without_ddp(), old_weights.swapped_in():
             old_mean = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce).mean
     new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce)
     kl = reference_kl(adapter, cfg, sub, positions, new)  # as clipped's (None at β = 0: no reference forward)

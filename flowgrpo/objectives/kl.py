@@ -9,19 +9,28 @@ Among the epoch's N samples (every process's; the groups the NaN policy kept), w
     U_i    = w_i(total) − mean_k w_i(aux_k)                            (grpo.kl.gate.direction: over; under: −U_i)
 
 ``total`` is what the advantages train on (the rewards' weighted sum), ``aux_k`` the rewards named in
-``grpo.kl.gate.auxiliary`` (give them weight 0: scored, not trained). U_i > 0: the trained reward ranks the image
-above where the auxiliary rewards rank it, the disagreement GARDO reads as a suspected hack. The gate holds the
-``ceil(fraction · N)`` samples of largest U (ties: the earlier sample first), of those with U > 0 only. A
-micro-batch's KL term is then the mean of the per-sample KL over its gated samples, and 0 (without the reference
-forward) when it holds none, as GARDO's code computes it (``kl_loss = mean(kl[idx])``); without a gate it is the
-mean over all of them, as before. Every objective's KL goes through :func:`gated_mean` (:func:`~.forward.velocity_kl`
-and :func:`~.clipped.reference_kl`), so the gate works with each of them.
+``grpo.kl.gate.auxiliary`` (give them weight 0: scored, not trained). U_i > 0 (``over``): the trained reward ranks
+the image above where the auxiliary rewards rank it. Among the M samples of U ≥ 0, the gate holds the
+``ceil(fraction · M)`` of largest U (ties: the earlier sample first), of those with U > 0 only. A micro-batch's KL term
+is then the mean of the per-sample KL over its gated samples, and 0 (without the reference forward) when it holds
+none, as GARDO's code computes it (``kl_loss = mean(kl[idx])``); without a gate it is the mean over all of them, as
+before. Every objective's KL goes through :func:`gated_mean` (:func:`~.forward.velocity_kl` and
+:func:`~.clipped.reference_kl`), so the gate works with each of them. Its reference forward runs on the module DDP
+wraps (``adapter.reference()``), so a process whose micro-batch has no gated sample, and skips it, issues the same
+collectives as the others.
 
-GARDO's code ranks rewards in descending order (rank 1 the best) and gates ``rank_main − mean rank_aux`` > its
-threshold: images the trained reward ranks *below* the auxiliary ones, the opposite sign of the paper's description
-(``direction: under`` reproduces it). Its fraction starts at 0.1 and moves within [0.02, 0.2] (×1.1 or ×0.9 when
-the epoch's mean uncertainty leaves the range of the last 20 epochs) among the samples of U ≥ 0; here it is fixed
-(that would be state to checkpoint) and a share of all N samples.
+A non-finite auxiliary score (a ``key/sub`` extra score, which the NaN policy does not look at) counts as missing:
+the win rates under that reward rank the other samples among themselves, and the sample's U is its total's win rate
+against the mean over the auxiliaries that did score it; with none (or a non-finite total) it has no U and is not
+gated, nor counted in M.
+
+GARDO's code ranks each reward in descending order (``torch.sort``, rank 1 the best; ties broken by the sort, i.e.
+arbitrarily, where here they share a half-credit win) and gates ``rank_main − mean rank_aux`` above its threshold:
+images the trained reward ranks *below* the auxiliary ones, ``direction: under``. ``over`` is this project's own
+reading (a proxy reward over-rating an image), not taken from the paper, whose text past its abstract was not read.
+The code's threshold is the ``100 − 100·fraction`` percentile of the uncertainties ≥ 0 (about ``fraction · M`` of them
+above it, as here); its fraction starts at 0.1 and moves within [0.02, 0.2] (×1.1 or ×0.9 when the epoch's mean
+uncertainty leaves the range of the last 20 epochs); here it is fixed (that would be state to checkpoint).
 """
 
 from __future__ import annotations
@@ -53,10 +62,10 @@ class KLGateConfig:
     auxiliary: list[str] = field(default_factory=list)  # reward keys (or "key/sub", a reward's extra score) whose
     #   disagreement with the trained reward is the uncertainty: scored, not trained (weight 0); GARDO: aesthetic and
     #   imagereward. []: no gate, the KL applies to every sample
-    fraction: float = 0.1  # the share of the epoch's samples the KL applies to, those of largest uncertainty U > 0
-    #                        (GARDO: 0.1, adapted within [0.02, 0.2] by its code)
+    fraction: float = 0.1  # the share of the epoch's samples of uncertainty U ≥ 0 the KL applies to, those of
+    #                        largest U > 0 (GARDO: 0.1, adapted within [0.02, 0.2] by its code)
     direction: str = "over"  # over: U = w(total) − mean w(aux), the trained reward ranks the image above the
-    #                          auxiliaries (the paper's suspected hack) | under: −U (the sign of GARDO's public code)
+    #                          auxiliaries (this project's reading) | under: −U (the sign of GARDO's public code)
 
 
 def check_kl(config: Config) -> None:
@@ -104,29 +113,36 @@ def check_kl(config: Config) -> None:
 
 
 def win_rates(rewards: Tensor) -> Tensor:
-    """``w_i = (#{j: R_j < R_i} + ½·#{j ≠ i: R_j = R_i}) / (N − 1)``, float64 [N]: each sample's win rate."""
+    """``w_i = (#{j: R_j < R_i} + ½·#{j ≠ i: R_j = R_i}) / (n − 1)``, float64 [N]: each sample's win rate among the n
+    samples of finite reward; NaN for a sample whose reward is not finite (it is not ranked)."""
     r = rewards.double()
-    below = (r[None, :] < r[:, None]).sum(dim=1)
-    ties = (r[None, :] == r[:, None]).sum(dim=1) - 1
-    return (below + 0.5 * ties).double() / max(len(r) - 1, 1)
+    finite = torch.isfinite(r)
+    f = finite[None, :]
+    below = ((r[None, :] < r[:, None]) & f).sum(dim=1)
+    ties = ((r[None, :] == r[:, None]) & f).sum(dim=1) - 1
+    rates = (below + 0.5 * ties).double() / max(int(finite.sum()) - 1, 1)
+    return torch.where(finite, rates, torch.full_like(rates, math.nan))
 
 
 def uncertainty(scores: Mapping[str, Tensor], auxiliary: list[str], direction: str = "over") -> Tensor:
-    """GARDO's uncertainty of each sample (module docstring): ``w(total) − mean_k w(aux_k)``, negated for ``under``."""
+    """GARDO's uncertainty of each sample (module docstring): ``w(total) − mean_k w(aux_k)``, negated for ``under``;
+    the mean over the auxiliaries that scored the sample (a finite score), NaN where none did."""
     missing = [k for k in auxiliary if k not in scores]
     if missing:
         raise ValueError(
             f"grpo.kl.gate.auxiliary names {missing[0]!r}, which the rewards did not return (they returned "
             f"{', '.join(sorted(scores))}); name a reward's key or one of its extra scores"
         )
-    u = win_rates(scores["total"]) - torch.stack([win_rates(scores[k]) for k in auxiliary]).mean(dim=0)
+    u = win_rates(scores["total"]) - torch.stack([win_rates(scores[k]) for k in auxiliary]).nanmean(dim=0)
     return u if direction == "over" else -u
 
 
 def gated_samples(u: Tensor, fraction: float) -> Tensor:
-    """1.0 for the ``ceil(fraction · N)`` samples of largest ``u`` (ties: the earlier first) with ``u`` > 0, else 0."""
-    count = math.ceil(round(fraction * len(u), 6))  # 0.1 × 30 is 3.0000000000000004 in floats: 3, not 4
-    order = torch.sort(u, descending=True, stable=True).indices[:count]
+    """1.0 for the ``ceil(fraction · M)`` samples of largest ``u`` (ties: the earlier first), M the number of samples
+    with ``u`` ≥ 0, of those with ``u`` > 0 only; else 0 (NaN: no uncertainty, never gated)."""
+    count = math.ceil(round(fraction * int((u >= 0).sum()), 6))  # 0.1 × 30 is 3.0000000000000004 in floats: 3
+    ranked = torch.where(torch.isnan(u), torch.full_like(u, -math.inf), u)
+    order = torch.sort(ranked, descending=True, stable=True).indices[:count]
     gate = torch.zeros(len(u))
     gate[order] = 1.0
     return gate * (u > 0)

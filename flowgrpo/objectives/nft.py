@@ -54,9 +54,12 @@ class NFTConfig(ForwardProcessConfig):
 class OldWeights:
     """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it.
 
-    The swap exchanges the parameters' storage (no copy) and restores it on exit. Run it before the forward that
-    builds the graph to differentiate: a graph holds the parameters, not their storage at the time. Autocast caches
-    its casts of parameters by tensor, so the cache is cleared on both sides of the swap."""
+    The swap exchanges the parameters' storage (``p.data``: no copy, nothing written into the live storage) and
+    restores it on exit. What it requires: a forward without gradient inside the block, and the block closed before
+    the backward of any graph built outside it, since a graph holds the parameters, whose storage would be the
+    saved one while swapped. Whether the block comes before or after the forward that builds the graph does not
+    matter (the objectives run it before, the KL reference after). Autocast caches its casts of parameters by
+    tensor, so the cache is cleared on both sides of the swap."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
@@ -129,7 +132,8 @@ def nft_loss(
     the old ones."""
     sub = batch.trajectory
     point = noised_point(adapter, settings, sub, batch.generator)
-    with torch.no_grad(), old_weights.swapped_in() if old_weights is not None else contextlib.nullcontext():
+    swap = old_weights.swapped_in() if old_weights is not None else contextlib.nullcontext()
+    with torch.no_grad(), adapter.without_ddp(), swap:  # no DDP: its forward's buffer broadcast is not needed
         old = velocity(adapter, point, sub)
     v = velocity(adapter, point, sub)
     kl = velocity_kl(adapter, kl_beta, point, sub, v)

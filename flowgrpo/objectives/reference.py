@@ -5,16 +5,17 @@ The reference is the adapter-disabled model (``PipelineAdapter.adapter_disabled`
 of the training of every epoch ``e`` that is a positive multiple of N (or, if that epoch trained nothing, of the next
 epoch that trains), the reference becomes a snapshot of the trainable (LoRA) weights as they are then
 (:class:`~.nft.OldWeights`, held as ``PipelineAdapter.reference_snapshot``): every reference forward
-(``PipelineAdapter.reference``, the KL term's and dpo's and dgpo's reference) swaps it in. At the reset point the
-policy equals its reference, so the KL is exactly 0 there, and it grows again from the new anchor.
+(``PipelineAdapter.reference``, the KL term's and dpo's, dgpo's and gdro's reference) swaps it in. At the reset point
+the policy equals its reference, so the KL is exactly 0 there, and it grows again from the new anchor.
 
 The reset epochs are a function of the epoch number, and a checkpoint stores the snapshot (``reference.safetensors``,
 with the epoch it was taken at: :mod:`flowgrpo.checkpoint.save`), so a resumed run continues with the same reference.
 
 GARDO's code (tinnerhrhe/GARDO ``scripts/train_sd3_grpo_gardo.py``, ``train_sd3_nft_gardo.py``) resets at an epoch's
 start when ``epoch − last reset > reset_freq`` (15: every 16 epochs) or when an optimizer step of the previous epoch
-logged a KL above ``kl_thres`` (3e-4 for Flow-GRPO on OCR; 0.15, adapted, for DiffusionNFT). The KL trigger is not
-reproduced: it would make the reset epochs depend on the run's history.
+logged a KL above ``kl_thres`` (3e-4 for Flow-GRPO on OCR; 0.15 for DiffusionNFT, moved at each reset to
+``max(thres − 0.01, 0.1)`` after more than 15 epochs and ``min(thres + 0.01, 0.05)`` after fewer than 5). The KL
+trigger is not built: it would make the reset epochs depend on the run's history (more state to checkpoint).
 """
 
 from __future__ import annotations
@@ -36,14 +37,21 @@ REFUSES_SHARDED = (
 )
 
 
+def check_sharded(config: Config, sharded: bool) -> None:
+    """Refuse ``grpo.kl.reset_every`` under DeepSpeed or FSDP (``sharded``): the trainer calls it with the objective's
+    own refusal, before the reward and the model load and before the run directory exists."""
+    every = config.grpo.kl.reset_every
+    if every and sharded:
+        raise ConfigError(f"grpo.kl.reset_every={every} {REFUSES_SHARDED}")
+
+
 class KLReference:
     """The reset schedule of the KL's reference model (module docstring): takes the snapshot, and hands it to and from
-    checkpoints. Inactive (every method does nothing) with ``grpo.kl.reset_every: 0``."""
+    checkpoints. Inactive (every method does nothing) with ``grpo.kl.reset_every: 0``. Under DeepSpeed or FSDP the
+    trainer has refused it already (:func:`check_sharded`)."""
 
-    def __init__(self, config: Config, adapter: PipelineAdapter, *, sharded: bool = False) -> None:
+    def __init__(self, config: Config, adapter: PipelineAdapter) -> None:
         self.every = config.grpo.kl.reset_every
-        if self.every and sharded:
-            raise ConfigError(f"grpo.kl.reset_every={self.every} {REFUSES_SHARDED}")
         self.adapter = adapter
         self.epoch: int | None = None  # the epoch whose training started with the snapshot taken
 
