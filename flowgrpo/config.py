@@ -36,7 +36,7 @@ from .objectives import get_objective, objective_sections
 from .objectives.base import check_whole_groups
 from .objectives.forward import ForwardProcessConfig
 from .objectives.kl import KLGateConfig, check_kl
-from .rollouts import get_rollout, rollout_sections
+from .rollouts import get_rollout, rollout_sections, validate_rollout
 
 
 @dataclass
@@ -203,7 +203,8 @@ class DataConfig:
 @dataclass
 class AdvantageConfig:
     """``grpo.advantage:`` which estimator turns the epoch's rewards into advantages (flowgrpo.advantages), and its
-    settings. The built-in estimators compute A = (R - mean_group) / (std + std_eps), clipped to ±clip."""
+    settings. The built-in group estimators compute A = (R - mean_group) / (std + std_eps), clipped to ±clip;
+    ``centered`` leaves out the std (A = R - mean_group, clipped to ±clip in the rewards' units)."""
 
     estimator: str = "group"  # group: unbiased std of the group (DanceGRPO, MixGRPO) | global_std: population std of
     #                           all the epoch's rewards (np.std, Flow-GRPO's global_std=True) | per_reward: advantages
@@ -540,8 +541,9 @@ def _renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "grpo": {**grpo, "advantage": advantage}}
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML preset, apply ``key=value`` overrides, build and validate the config."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, training: bool = True) -> Config:
+    """Read a YAML preset, apply ``key=value`` overrides, build and validate the config (``training``: see
+    :func:`validate`)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -559,7 +561,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     data = _merge(data, parse_overrides(overrides or []))
     config = _build(Config, _renamed_keys(data), "")
-    validate(config)
+    validate(config, training=training)
     return config
 
 
@@ -601,8 +603,10 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
         )
 
 
-def validate(config: Config, world_size: int = 1) -> None:
-    """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes."""
+def validate(config: Config, world_size: int = 1, *, training: bool = True) -> None:
+    """Checks that need no model: choices, ranges, and the batch arithmetic for ``world_size`` processes.
+    ``training=False`` (a run's config read to evaluate or export its weights, which samples no rollout) skips the
+    rollout strategy's checks, and with them the files only training reads (an offline store)."""
     s, g, t = config.sampler, config.grpo, config.train
     kinds = ("auto", *available_families())  # the registered model families (flowgrpo/adapters/<family>.py)
     one_of("model.kind", config.model.kind, kinds)
@@ -635,7 +639,10 @@ def validate(config: Config, world_size: int = 1) -> None:
     objective.validate(config)
     if objective.needs_whole_groups(config):
         check_whole_groups(config, world_size)
-    get_rollout(s.rollout).validate(config)
+    if training:
+        validate_rollout(config, world_size)
+    else:
+        get_rollout(s.rollout)  # the name only
     validate_estimator(config)
     one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
     one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
@@ -845,8 +852,8 @@ def _check_ranges(config: Config) -> None:
     check_range("grpo.timestep_fraction", g.timestep_fraction, 0, 1, low_open=True)
     if g.advantage.normalize_weights and g.advantage.estimator != "per_reward":
         raise ConfigError(
-            "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the total's advantage does "
-            "not depend on the weights' scale); set grpo.advantage.estimator: per_reward or normalize_weights: false"
+            "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the other estimators read "
+            "the weighted total as given); set grpo.advantage.estimator: per_reward or normalize_weights: false"
         )
     if (t.ema_warmup or config.eval.use_ema or t.ema_update_every != 1) and t.ema == 0:
         key = (

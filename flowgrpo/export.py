@@ -39,12 +39,13 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 
 # ---------------------------------------------------------------------------- which config, which model
 def run_config(checkpoint: Path, overrides: list[str] | None = None) -> Config:
-    """The resolved config a checkpoint's run was trained with (``<run>/config.yaml``)."""
+    """The resolved config a checkpoint's run was trained with (``<run>/config.yaml``), read to evaluate or export its
+    weights: what only training reads (an offline store) need not exist any more."""
     check_checkpoint_dir(Path(checkpoint))
     path = Path(checkpoint).parent.parent / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: is {checkpoint} a checkpoint inside a run? (or pass --config)")
-    return load_config(path, ["run.resume=null", *(overrides or [])])
+    return load_config(path, ["run.resume=null", *(overrides or [])], training=False)
 
 
 def ema_hint(config: Config, ema: bool) -> str | None:

@@ -22,8 +22,11 @@ the config's sampler by the base model (the LoRA adapter switched off: the refer
 store is a function of the config alone, whatever weights the run holds), in rollout batches of
 ``sampler.batch_size`` whose initial noise is a function of (``run.seed``, batch index). :func:`check_store` refuses,
 as a :class:`~flowgrpo.checks.ConfigError` naming ``sampler.offline.path`` and the fix, a store that is missing,
-unfinished, corrupt (a hash or a header that does not match), or was made for another model, resolution, group
-size, reward or prompt file. :func:`served_groups` is the order the groups are trained in.
+unfinished, corrupt (a header that does not match; with ``verify``, the sha256 of ``samples.safetensors``), was made
+for another model, resolution, group size, reward or prompt file, or holds non-finite rewards under
+``grpo.nan_policy: error``. Without ``verify`` it reads only the two headers and the small tensors (what config
+validation runs); the hash reads the whole file, once, when the run opens the store. :func:`served_groups` is the
+order the groups are trained in.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ VERSION = 1
 INFO = "store.json"
 SAMPLES = "samples.safetensors"
 KEY = "sampler.offline.path"
+#: the latents' dtypes a store may hold, as ``store.json`` names them and the safetensors header writes them
+DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 #: (images, prompts, metadata, source images or None) -> the reward's scores now ("total": [B], one key per reward)
 Score = Callable[[Tensor, list[str], list[dict[str, Any]], Any], dict[str, Tensor]]
 
@@ -223,6 +228,11 @@ def build_store(
     write_store(out, tensors, info)
     stored = read_info(out)
     log(f"offline store: {groups} groups × {k} images {stored.cost}; written to {out}")
+    if bad := nonfinite_groups(tensors["reward/total"], k):
+        log(
+            f"offline store: {len(bad)} of {groups} groups hold a non-finite reward; train on it with "
+            "grpo.nan_policy: drop (they train with advantage 0), grpo.nan_policy: error refuses the store"
+        )
     return stored
 
 
@@ -249,9 +259,10 @@ def remove_unfinished(out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- reading a store
-def read_info(path: Path, key: str = KEY) -> StoreInfo:
-    """``store.json`` of the store at ``path``, checked against ``samples.safetensors`` (its hash, and the tensors'
-    names, dtypes and shapes in the header); a :class:`ConfigError` naming ``key`` and the fix otherwise."""
+def read_info(path: Path, key: str = KEY, *, verify: bool = False) -> StoreInfo:
+    """``store.json`` of the store at ``path``, checked against ``samples.safetensors``: the tensors' names, dtypes
+    and shapes in its header, the rows' group order, and with ``verify`` its sha256 (reads the whole file); a
+    :class:`ConfigError` naming ``key`` and the fix otherwise."""
     path = Path(path)
     where = f"{key}={path}"
     if not (path / INFO).is_file():
@@ -269,7 +280,7 @@ def read_info(path: Path, key: str = KEY) -> StoreInfo:
         groups, k = int(raw["groups"]), int(raw["group_size"])
         shape = tuple(int(n) for n in raw["model"]["latent_shape"])
         keys = [str(name) for name in raw["rewards"]["keys"]]
-        prompts = [int(i) for i in _stored_prompt_indices(path, raw, groups, k, shape, keys)]
+        prompts = [int(i) for i in _stored_prompt_indices(path, raw, groups, k, shape, keys, verify)]
         info = StoreInfo(path, groups, k, shape, prompts, keys, float(raw["guidance_scale"]), raw)
         info.cost  # noqa: B018  (the timing fields must be there)
     except (ValueError, KeyError, TypeError, OSError, SafetensorError) as err:
@@ -280,22 +291,28 @@ def read_info(path: Path, key: str = KEY) -> StoreInfo:
 
 
 def _stored_prompt_indices(
-    path: Path, raw: dict[str, Any], groups: int, k: int, shape: tuple[int, ...], keys: list[str]
+    path: Path, raw: dict[str, Any], groups: int, k: int, shape: tuple[int, ...], keys: list[str], verify: bool
 ) -> list[int]:
-    """Check ``samples.safetensors`` against ``store.json`` (hash first, then the header), and read its prompt
-    indices."""
+    """Check ``samples.safetensors`` against ``store.json`` (with ``verify`` the hash first, then the header), and
+    read its prompt indices."""
     if not (path / SAMPLES).is_file():
         raise ValueError(f"{SAMPLES} is missing")
-    if file_sha256(path / SAMPLES) != raw["samples_sha256"]:
+    if verify and file_sha256(path / SAMPLES) != raw["samples_sha256"]:
         raise ValueError(f"{SAMPLES} does not match the sha256 in {INFO}")
-    expected = {
-        "final_latents": (groups * k, *shape),
-        "group": (groups * k,),
-        "prompt_index": (groups,),
-        **{f"reward/{name}": (groups * k,) for name in keys},
+    latent_dtype = str(raw["model"]["latent_dtype"])
+    if latent_dtype not in DTYPES:
+        raise ValueError(f"model.latent_dtype {latent_dtype!r} in {INFO} is not one of {', '.join(DTYPES)}")
+    expected = {  # name: (shape, dtype as the safetensors header writes it)
+        "final_latents": ((groups * k, *shape), DTYPES[latent_dtype]),
+        "group": ((groups * k,), "I64"),
+        "prompt_index": ((groups,), "I64"),
+        **{f"reward/{name}": ((groups * k,), "F32") for name in keys},
     }
     with safe_open(str(path / SAMPLES), framework="pt") as f:
-        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (not a dict)
+        found = {
+            name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+            for name in f.keys()  # noqa: SIM118 (not a dict)
+        }
         if found != expected:
             raise ValueError(f"{SAMPLES} holds {found}, {INFO} describes {expected}")
         if not torch.equal(f.get_tensor("group"), torch.arange(groups).repeat_interleave(k)):
@@ -303,10 +320,12 @@ def _stored_prompt_indices(
         return f.get_tensor("prompt_index").tolist()
 
 
-def check_store(config: Config, path: Path, key: str = KEY) -> StoreInfo:
+def check_store(config: Config, path: Path, key: str = KEY, *, verify: bool = False) -> StoreInfo:
     """The store at ``path``, refused (a :class:`ConfigError` naming the key and the fix) unless it was made for this
-    config's model and resolution, group size, rewards and prompt file, and holds at least an epoch's groups."""
-    info = read_info(path, key)
+    config's model and resolution, group size, rewards and prompt file, holds at least an epoch's groups, and, under
+    ``grpo.nan_policy: error``, only finite rewards. ``verify``: check the sha256 of its samples too (reads the whole
+    file: once per run, when it opens the store; config validation reads the headers only)."""
+    info = read_info(path, key, verify=verify)
     raw, m = info.raw, config.model
     where, fix = f"{key}={path}", _resample()
     made = raw["model"]
@@ -341,7 +360,28 @@ def check_store(config: Config, path: Path, key: str = KEY) -> StoreInfo:
             f"other prompts (another sha256); set data.train to the store's prompt file, or sample a store from "
             f"these prompts: {fix}"
         )
+    check_finite_rewards(config, info, load_rewards(info)["total"], key)
     return info
+
+
+def nonfinite_groups(total: Tensor, group_size: int) -> list[int]:
+    """The groups (rows ``g·k … g·k + k - 1``) whose ``total`` reward is NaN or infinite for some image (any reward
+    the total weighs that is not finite makes it so)."""
+    bad = ~torch.isfinite(total.reshape(-1, group_size)).all(dim=1)
+    return torch.nonzero(bad).flatten().tolist()
+
+
+def check_finite_rewards(config: Config, info: StoreInfo, total: Tensor, key: str = KEY) -> None:
+    """Refuse a store holding non-finite rewards under ``grpo.nan_policy: error`` (the run would fail in the first
+    epoch that serves such a group); under ``drop`` each epoch drops them as it would drop freshly scored ones."""
+    bad = nonfinite_groups(total, info.group_size)
+    if bad and config.grpo.nan_policy == "error":
+        raise ConfigError(
+            f"{key}={info.path} holds non-finite rewards in {len(bad)} of its {info.groups} groups (first: group "
+            f"{bad[0]}, prompt {info.raw['prompts'][bad[0]]!r}), and grpo.nan_policy=error would stop the run at the "
+            f"first epoch serving one; set grpo.nan_policy: drop (those groups then train with advantage 0), or "
+            f"sample a store whose rewards are finite: {_resample()}"
+        )
 
 
 def load_rewards(info: StoreInfo) -> dict[str, Tensor]:
@@ -376,10 +416,12 @@ __all__ = [
     "OfflineConfig",
     "StoreInfo",
     "build_store",
+    "check_finite_rewards",
     "check_offline_section",
     "check_store",
     "load_latents",
     "load_rewards",
+    "nonfinite_groups",
     "read_info",
     "served_groups",
     "store_groups",

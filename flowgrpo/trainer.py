@@ -161,7 +161,27 @@ class GRPOTrainer:
         if resume is not None:  # before anything is written: the weights must mean what the config says, and fit
             check_resume(resume, config, self.adapter.transformer, ema=self.ema is not None)
             run_dir = resume_run_dir(resume, warn)  # the checkpoint's own run if it proves it, else None: a new run
-        self.run_dir = self._make_run_dir(run_dir)
+        # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
+        self.generator = torch.Generator(device="cpu")
+        self.scorer: AsyncReward | None = None  # the epoch's background scoring
+        rollout_context = RolloutContext(
+            config,
+            self.adapter,
+            self.train_data,
+            self.objective,
+            self.generator,
+            self.rank,
+            acc.num_processes,
+            submit=lambda images, prompts, metadata, sources: self.scorer.submit(
+                images, prompts, metadata, source_images=sources
+            ),
+            should_stop=self._agree_to_stop,
+            progress=self._bars,
+            score=self._score_now,
+        )
+        # Built before the run directory exists, so that what a strategy refuses (an offline store) leaves none.
+        self.rollouts = get_rollout(config.sampler.rollout)(rollout_context)
+        self.run_dir = rollout_context.run_dir = self._make_run_dir(run_dir)
         if resume is not None:  # a failure here removes what _make_run_dir made (a new run, the lock file)
             parts = CheckpointParts(
                 accelerator=acc,
@@ -178,27 +198,6 @@ class GRPOTrainer:
             resume_run(parts, resume, self.run_lock, new_run=run_dir is None, warn=warn)
         self.stop = StopRequest()
         self.checkpointed_epoch = self.state.epoch if resume is not None else None  # the newest checkpoint's epoch
-        # Rollout noise: one generator per process, seeded by (seed, rank) and re-seeded every epoch.
-        self.generator = torch.Generator(device="cpu")
-        self.scorer: AsyncReward | None = None  # the epoch's background scoring
-        self.rollouts = get_rollout(config.sampler.rollout)(
-            RolloutContext(
-                config,
-                self.adapter,
-                self.train_data,
-                self.objective,
-                self.generator,
-                self.rank,
-                acc.num_processes,
-                submit=lambda images, prompts, metadata, sources: self.scorer.submit(
-                    images, prompts, metadata, source_images=sources
-                ),
-                should_stop=self._agree_to_stop,
-                progress=self._bars,
-                score=self._score_now,
-                run_dir=self.run_dir,
-            )
-        )
         self.stepper = AccumulatingStepper(
             acc,
             self.adapter.transformer,

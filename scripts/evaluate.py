@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else checkpoint / name
     try:
         overrides = ["run.resume=null", *args.overrides]
-        config = load_config(args.config, overrides) if args.config else run_config(checkpoint, overrides)
+        if args.config:  # training=False: the files only training reads (an offline store) need not exist
+            config = load_config(args.config, overrides, training=False)
+        else:
+            config = run_config(checkpoint, overrides)
         if not config.data.test:
             raise ValueError("data.test is not set: pass data.test=<prompt file>")
         if hint := ema_hint(config, args.ema):

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowgrpo.export import ema_hint, export_checkpoint, run_config
 
     try:
-        config = load_config(args.config, ["run.resume=null"]) if args.config else None
+        config = load_config(args.config, ["run.resume=null"], training=False) if args.config else None
         hint = ema_hint(config or run_config(Path(args.checkpoint)), args.ema)
         if hint:
             print(hint, file=sys.stderr)

@@ -262,3 +262,35 @@ def test_rollouts_and_estimators_have_their_own_sections_like_objectives(tmp_pat
         _config(tmp_path, "grpo.advantage.estimator=from_extras", "grpo.advantage.from_extras.scale=-1")
     with pytest.raises(ConfigError, match=r"sampler\.chain_with_extras\.columns: expected an integer"):
         _config(tmp_path, "sampler.rollout=chain_with_extras", "sampler.chain_with_extras.columns=wide")
+
+
+def test_a_rollout_strategys_validate_gets_the_process_count_and_the_older_hook_still_works():
+    """``RolloutStrategy.validate(cls, config, world_size=1)`` is called with the validated process count; a
+    strategy written for the hook's older form, ``validate(cls, config)``, is still called (without the count)."""
+    from flowgrpo.config import validate
+
+    seen: list[tuple] = []
+
+    @register_rollout("counting_hook")
+    class CountingHook(Chain):
+        @classmethod
+        def validate(cls, config, world_size=1):
+            seen.append(("new", world_size))
+
+    @register_rollout("older_hook")
+    class OlderHook(Chain):
+        @classmethod
+        def validate(cls, config):
+            seen.append(("old",))
+
+    try:
+        config = load_config(TINY, ["run.progress=false"])
+        for strategy in (CountingHook, OlderHook):
+            config.sampler.rollout = strategy.name
+            validate(config, world_size=2)
+            validate(config, world_size=2, training=False)  # evaluate, export: no rollout, nothing checked
+            strategy.validate(config)  # callers with one argument, as before
+        assert seen == [("new", 2), ("new", 1), ("old",), ("old",)]
+    finally:
+        ROLLOUTS.pop("counting_hook")
+        ROLLOUTS.pop("older_hook")

@@ -70,7 +70,9 @@ def global_std(inputs: AdvantageInputs, settings: Any) -> Tensor:
 def centered(inputs: AdvantageInputs, settings: Any) -> Tensor:
     """The weighted total against its group's mean, not divided by any std (Dr. GRPO, Liu et al. arXiv 2503.20783),
     clipped to ``±settings.clip``: differences in the rewards' own units. Within a group these are the rewards up to
-    one shift, so a softmax over a group's advantages is the softmax of its rewards (GDRO's target, ``grpo.gdro``)."""
+    one shift, so a softmax over a group's advantages is the softmax of its rewards (GDRO's target, ``grpo.gdro``)
+    as long as no |R - group mean| exceeds the clip, which is in the rewards' units here (a group spread wider has
+    its extremes clamped, and its softmax flattened)."""
     return group_advantages(inputs.scores["total"], inputs.group_ids, std="none", clip=settings.clip)
 
 

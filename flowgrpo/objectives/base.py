@@ -7,6 +7,9 @@ An objective is a class registered by name::
         config_class = MySettings          # optional dataclass: its section, grpo.my_objective.*
         rollout = "ode"                    # "sde_window": the window's SDE transitions are stored and re-scored
                                            # "ode": the rollout is the plain ODE, the final samples are trained
+        samples_from_current_weights = False  # True: the loss assumes the epoch's samples were drawn with the
+                                              # weights its training starts from (old weights, a likelihood ratio):
+                                              # refused on samples drawn once (sampler.rollout: offline)
 
         def loss(self, adapter, batch):    # batch: MicroBatch -> (scalar to backward, {metric: scalar})
             ...
@@ -18,7 +21,8 @@ micro-batch for its terms
 settings and their validation, what it refuses under sharded parameters, what the rollout must keep for it beyond
 the log-probs (:attr:`Objective.needs_sampling_means`), whether its loss compares the images of a group
 (:meth:`Objective.needs_whole_groups`: pairs, group sums), state for one epoch (DiffusionNFT's old weights,
-:meth:`Objective.begin_epoch`) — lives in its module.
+:meth:`Objective.begin_epoch`), whether its samples must come from the weights being trained
+(:attr:`Objective.samples_from_current_weights`) — lives in its module.
 """
 
 from __future__ import annotations
@@ -64,6 +68,17 @@ class Objective:
     rollout: ClassVar[str] = "sde_window"
     #: why the objective cannot run on parameters sharded over processes (DeepSpeed ZeRO, FSDP); None: it can
     refuses_sharded: ClassVar[str | None] = None
+    #: whether the loss assumes that the epoch's samples were drawn with the trainable weights as the epoch's training
+    #: begins (stored log-probs, old weights, a likelihood ratio): then it cannot train on samples drawn once by
+    #: another model (``sampler.rollout: offline``). True for every ``sde_window`` objective (set by
+    #: ``__init_subclass__`` unless the class sets it), and for nft and fpo (their old weights).
+    samples_from_current_weights: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        chosen = any("samples_from_current_weights" in c.__dict__ for c in cls.__mro__ if c is not Objective)
+        if cls.rollout == "sde_window" and not chosen:  # it re-scores stored transitions against their log-probs
+            cls.samples_from_current_weights = True
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -17,15 +17,20 @@ of k images, one (σ, ε) shared by the group (the loss compares the images at o
 
 Each bracket is the cross-entropy between the target q_i and softmax(s) over the images not yet placed, so
 L_GDRO is the cross-entropy of the Plackett–Luce ranking; the first bracket alone is the paper's top-1 loss (eq. 6).
-With k = 2 and τ → 0 it is Diffusion-DPO's loss ``-log σ(s_w - s_l)`` with DPO's β equal to 2β (:mod:`.dpo` halves
-its β; tests/test_gdro.py checks the equality). Its gradient on d_j is ``β Σ_i (q_i(j) - p_i(j))`` over the
-positions j takes part in (p_i = softmax(s) over the rest): AWM's push towards better images, weighted by how far the
-model's implicit ranking is from the rewards', vanishing once they agree. The top-1 term is plain flow matching on
+With k = 2, τ → 0 and two different rewards, L_GDRO is Diffusion-DPO's loss ``-log σ(s_w - s_l)`` with DPO's β equal
+to 2β (:mod:`.dpo` halves its β; tests/test_gdro.py checks the equality); the whole loss is Diffusion-DPO's only with
+γ = 0, since the top-1 term has no counterpart there (a pair of equal rewards weighs 0 in both). Where rewards tie,
+τ = 0 spreads a position's target evenly over the images tied with x_i (the limit τ → 0 of the softmax). Its gradient
+on d_j is ``β Σ_i (q_i(j) - p_i(j))`` over the positions j takes part in (p_i = softmax(s) over the rest): AWM's push
+towards better images, weighted by how far the model's implicit ranking is from the rewards', vanishing once they
+agree. The top-1 term is plain flow matching on
 each group's best image, against the quality loss the paper saw when the ranking margin grows.
 
 The explicit rewards r come in as the objective's advantages. With ``grpo.advantage.estimator: centered`` (R minus
 the group's mean, not divided by a std) they are the rewards up to one shift per group, which the softmax ignores:
-q is the paper's softmax(r/τ) exactly, with τ in the rewards' units. A std-normalised estimator (``group``,
+q is the paper's softmax(r/τ) exactly, with τ in the rewards' units, as long as no |R - group mean| exceeds
+``grpo.advantage.clip`` (5 by default; ``centered`` clamps to ±clip in the rewards' units, which flattens the targets
+of a group whose rewards spread further: raise the clip for such rewards). A std-normalised estimator (``group``,
 ``global_std``) makes τ a temperature in standard deviations instead.
 
 The paper's values (FLUX.1-dev, LoRA rank 32 with EMA; the presets ``sd35m_gdro.yaml`` and ``shapes_gdro.yaml`` say
@@ -39,7 +44,11 @@ pre-generated images per prompt come from one only). Deliberate choices, each a 
 ``d`` is the mean over the latent's elements (as Diffusion-DPO's code and :mod:`.dpo`/:mod:`.dgpo`; if the paper sums
 over elements, its β means a larger one here); σ ~ the logit-normal of :mod:`.forward` (the paper does not say how t
 is drawn), shifted by ``time_shift``; images of equal reward keep their stored order in the ranking (the stable
-sort), and the first of a group's best takes the top-1 term; the optional velocity KL (``grpo.kl.beta``) is this
+sort: the position at which each leaves the set of images not yet placed), a position's target is spread evenly
+over the images tied with it at τ = 0 (at τ > 0 the softmax already is), and the first of a group's best takes the
+top-1 term; a group whose rewards are all equal, which includes a group ``grpo.nan_policy: drop`` dropped (its
+advantages are all 0), has no ranking and weighs 0 in both terms (as a tied pair in :mod:`.dpo`; its images still
+count in the mean over the micro-batch's groups and in the KL); the optional velocity KL (``grpo.kl.beta``) is this
 project's, not the paper's (0 in the presets); the stored groups are trained whole, never re-drawn as subsets of a
 larger set per prompt. The paper's corrected score (its evaluation against reward hacking, via UnifiedReward) is not
 part of training and not implemented here.
@@ -74,7 +83,8 @@ class GDROConfig(ForwardProcessConfig):
 def plackett_luce_loss(implicit: Tensor, rewards: Tensor, tau: float) -> Tensor:
     """One group's L_GDRO (see the module): the implicit rewards ``implicit`` [k] ranked by the explicit ``rewards``
     [k] (best first, ties in the given order), the cross-entropy of each position's target softmax(r / τ) over the
-    images not yet placed (τ = 0: one-hot on the image placed there) against softmax(s) over them, summed."""
+    images not yet placed (τ = 0: one-hot on the image placed there, uniform over the images tied with it) against
+    softmax(s) over them, summed."""
     order = torch.sort(rewards, descending=True, stable=True).indices
     s, r = implicit[order], rewards[order].to(implicit.dtype)
     total = implicit.new_zeros(())
@@ -82,9 +92,9 @@ def plackett_luce_loss(implicit: Tensor, rewards: Tensor, tau: float) -> Tensor:
         rest = s[i:]
         if tau > 0:
             target = torch.softmax(r[i:] / tau, dim=0)
-        else:
-            target = torch.zeros_like(rest)
-            target[0] = 1.0
+        else:  # the limit τ → 0: softmax(r / τ) spreads evenly over the largest remaining rewards
+            target = (r[i:] == r[i]).to(rest.dtype)
+            target = target / target.sum()
         total = total + torch.logsumexp(rest, dim=0) - (target * rest).sum()
     return total
 
@@ -94,14 +104,16 @@ def gdro_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Over the groups of ``groups`` ([B] ids): the mean L_GDRO of the implicit rewards s = -β (d - d_ref), the mean
     flow-matching error of each group's best image (L_reg, the first of equal ones), and the share of a group's
-    ordered pairs (r_i > r_j) whose implicit rewards are ordered the same way (s_i > s_j)."""
+    ordered pairs (r_i > r_j) whose implicit rewards are ordered the same way (s_i > s_j). A group whose rewards are
+    all equal (no ranking; a group the NaN policy dropped has advantages 0) adds 0 to both means."""
     implicit = -beta * (error - reference_error)
     ranking, top, right, pairs = [], [], 0.0, 0
     for g in torch.unique(groups.cpu()).tolist():
         members = torch.nonzero(groups.cpu() == g).flatten().to(error.device)
         s, r = implicit[members], rewards[members]
-        ranking.append(plackett_luce_loss(s, r, tau))
-        top.append(error[members[torch.sort(r, descending=True, stable=True).indices[0]]])
+        weight = float(bool((r != r[0]).any()))  # 0: nothing to rank (all equal, or dropped)
+        ranking.append(weight * plackett_luce_loss(s, r, tau))
+        top.append(weight * error[members[torch.sort(r, descending=True, stable=True).indices[0]]])
         ordered = r[:, None] > r[None, :]
         right += float(((s[:, None] > s[None, :]) & ordered).sum())
         pairs += int(ordered.sum())

@@ -94,6 +94,7 @@ class OldWeightsObjective(ForwardProcessObjective):
         "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
         "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
     )
+    samples_from_current_weights: ClassVar[bool] = True  # the old weights stand for the ones that sampled the epoch
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

@@ -19,6 +19,7 @@ from .base import (
     get_rollout,
     register_rollout,
     rollout_sections,
+    validate_rollout,
 )
 from .chain import make_window
 
@@ -32,4 +33,5 @@ __all__ = [
     "make_window",
     "register_rollout",
     "rollout_sections",
+    "validate_rollout",
 ]

@@ -19,6 +19,7 @@ rewards travels in ``Trajectory.extras``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,10 @@ class RolloutContext:
     # (images, prompts, metadata, source images or None) -> the reward's scores now, in this thread ("total": [B]):
     # for strategies that score intermediate predictions (dense step rewards) rather than only the final images
     score: Callable[[Tensor, list[str], list[dict[str, Any]], Tensor | None], dict[str, Tensor]] | None = None
-    run_dir: Path | None = None  # the run's directory, for files a strategy keeps (an offline store it samples)
+    # The run's directory, for files a strategy keeps (an offline store it samples). None while the strategy is built:
+    # the trainer builds it before the run directory exists (what its __init__ refuses leaves none) and sets this
+    # field once the directory does, before the first collect().
+    run_dir: Path | None = None
 
     def epoch_slots(self, epoch: int) -> list[EpochSample]:
         """This process's (prompt, group) slots of the epoch: ``grpo.groups_per_epoch`` prompts drawn from
@@ -92,8 +96,11 @@ class RolloutStrategy:
         self.context = context
 
     @classmethod
-    def validate(cls, config: Config) -> None:
-        """Refuse settings this strategy cannot use (a ConfigError naming key and fix), before anything loads."""
+    def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (the default needs no setting)
+        """Refuse settings this strategy cannot use at ``world_size`` processes (a ConfigError naming key and fix),
+        before anything loads; reads only what is cheap to read (files are checked in full in ``__init__``, which
+        runs before the run directory exists). An override written as ``validate(cls, config)`` still works: it is
+        then called without the process count (:func:`validate_rollout`)."""
 
     def collect(self, epoch: int) -> Collected | None:
         raise NotImplementedError
@@ -176,3 +183,15 @@ def available_rollouts() -> list[str]:
 def get_rollout(name: str) -> type[RolloutStrategy]:
     one_of("sampler.rollout", name, available_rollouts())
     return ROLLOUTS[name]
+
+
+def validate_rollout(config: Config, world_size: int = 1) -> None:
+    """``sampler.rollout``'s own checks (:meth:`RolloutStrategy.validate`) at ``world_size`` processes; a strategy
+    whose ``validate`` takes the config only (the hook's older form) is called without the count."""
+    check = get_rollout(config.sampler.rollout).validate
+    params = inspect.signature(check).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
+        check(config, world_size)
+    else:
+        check(config)

@@ -292,7 +292,7 @@ class Branch(RolloutStrategy):
     """TempFlow-GRPO's branched groups: ODE trunk, one SDE step at the group's branch point, ODE after it."""
 
     @classmethod
-    def validate(cls, config: Config) -> None:
+    def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (no per-process setting)
         check_branch(config)
 
     def __init__(self, context: RolloutContext) -> None:

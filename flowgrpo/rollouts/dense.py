@@ -135,7 +135,7 @@ class Dense(Chain):
     config_class = DenseSettings
 
     @classmethod
-    def validate(cls, config: Config) -> None:
+    def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (no per-process setting)
         from ..objectives import get_objective
 
         s = config.sampler

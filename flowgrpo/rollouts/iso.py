@@ -104,7 +104,7 @@ class IsoTemporal(Chain):
         assert isinstance(self.window, SlidingWindow)  # validate() refused objectives that store nothing
 
     @classmethod
-    def validate(cls, config: Config) -> None:
+    def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (no per-process setting)
         from ..objectives import get_objective  # the objective's class: does it store the window's transitions?
 
         w = config.sampler.window

@@ -160,7 +160,7 @@ class EntropyMerge(Branch):
     config_class = EntropyMergeConfig
 
     @classmethod
-    def validate(cls, config: Config) -> None:
+    def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (no per-process setting)
         check_entropy_merge(config)
 
     def __init__(self, context: RolloutContext) -> None:

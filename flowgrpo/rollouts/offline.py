@@ -1,6 +1,7 @@
 """``sampler.rollout: offline``: an epoch's groups come from a store sampled once (:mod:`flowgrpo.offline`), not from
-the sampler: GDRO's fully offline setting (:mod:`flowgrpo.objectives.gdro`), open to every objective that trains on
-the final samples.
+the sampler: GDRO's fully offline setting (:mod:`flowgrpo.objectives.gdro`), open to every objective whose loss does
+not assume that the epoch's samples came from the weights being trained
+(:attr:`~flowgrpo.objectives.Objective.samples_from_current_weights`).
 
 ``sampler.offline.path`` names a store made by ``scripts/sample_offline.py``; null samples one into the run directory
 (``<run>/offline``) on the run's first epoch, with the base model, and a resumed run reuses it. Each epoch then
@@ -8,8 +9,15 @@ serves ``grpo.groups_per_epoch`` stored groups in the order :func:`flowgrpo.offl
 of ``(run.seed, epoch)``: a resume replays the same groups in the same order), with their stored rewards (handed to
 the trainer as :attr:`Collected.scores`: nothing is scored again) and the prompts' embeddings encoded afresh. The
 sampler is never called after the store exists. The trajectories hold no SDE transitions, so objectives that re-score
-them (``rollout = "sde_window"``) are refused, and no images, except on the epochs of an image grid (decoded from the
-stored latents on the process that draws it) or for ``grpo.advantage.diversity`` (every epoch, every process).
+them (``rollout = "sde_window"``) are refused, as are nft and fpo, whose old weights (and fpo's ratio) stand for the
+weights that sampled the epoch (here the base model, long ago). They hold no images, except on the epochs of an image
+grid (decoded from the stored latents on the process that draws it) or for ``grpo.advantage.diversity`` (every epoch,
+every process).
+
+Config validation (:meth:`Offline.validate`) reads only the store's headers; the strategy's construction, which the
+trainer runs before the run directory exists, checks the sha256 of its samples (once per run and process) and the
+latents' shape against the model. A store the run samples itself (``path: null``) is opened, or sampled, in the
+first epoch.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from ..offline import (
     OfflineConfig,
     StoreInfo,
     build_store,
+    check_finite_rewards,
     check_offline_section,
     check_store,
     load_latents,
@@ -60,45 +69,57 @@ class Offline(RolloutStrategy):
     config_class = OfflineConfig
 
     @classmethod
-    def validate(cls, config: Config) -> None:
+    def validate(cls, config: Config, world_size: int = 1) -> None:
         from ..objectives import OBJECTIVES, get_objective
 
         check_offline_section(config)
         name = config.grpo.objective
-        if get_objective(name).rollout != "ode":
-            usable = ", ".join(sorted(n for n, c in OBJECTIVES.items() if c.rollout == "ode"))
-            raise ConfigError(
-                f"sampler.rollout=offline serves stored final samples (no SDE transitions, no log-probs), but "
-                f"grpo.objective={name} re-scores the SDE window's transitions; set grpo.objective to one that trains "
-                f"the final samples ({usable}), or sampler.rollout: chain"
+        objective = get_objective(name)
+        if objective.samples_from_current_weights:
+            usable = ", ".join(sorted(n for n, c in OBJECTIVES.items() if not c.samples_from_current_weights))
+            why = (
+                "re-scores the SDE window's transitions against the log-probs they were sampled with"
+                if objective.rollout == "sde_window"
+                else "compares with old weights that stand for the weights the epoch's samples were drawn with (the "
+                "epoch's starting weights), not the model that sampled the store"
             )
-        if config.sampler.offline.path is not None:
-            check_store(config, Path(config.sampler.offline.path))
+            raise ConfigError(
+                f"sampler.rollout=offline serves final samples drawn once by the base model (no SDE transitions, no "
+                f"log-probs), but grpo.objective={name} {why}; set grpo.objective to one that trains on samples from "
+                f"another model ({usable}), or sampler.rollout: chain"
+            )
+        path = config.sampler.offline.path
+        if path is None and world_size > 1:
+            raise ConfigError(
+                f"sampler.offline.path=null samples the store inside the run on one process, and this run has "
+                f"{world_size}; sample it first (python scripts/sample_offline.py --config <your config> --out DIR) "
+                "and set sampler.offline.path: DIR"
+            )
+        if path is not None:
+            check_store(config, Path(path))  # the headers only: the hash when the run opens it
 
     def __init__(self, context: RolloutContext) -> None:
         super().__init__(context)
-        cfg = context.config
         self.info: StoreInfo | None = None
         self.rewards: dict[str, torch.Tensor] = {}
         self.built_s = 0.0  # seconds this run spent sampling and scoring its own store
-        path = cfg.sampler.offline.path
-        if path is None:
-            if context.num_processes > 1:
-                raise ConfigError(
-                    f"sampler.offline.path=null samples the store inside the run on one process, and this run has "
-                    f"{context.num_processes}; sample it first (python scripts/sample_offline.py --config <your "
-                    "config> --out DIR) and set sampler.offline.path: DIR"
-                )
-            if context.run_dir is None:
-                raise ConfigError("sampler.offline.path=null keeps the store in the run directory, and there is none")
-            self.out = Path(context.run_dir) / "offline"
-            if (self.out / INFO).exists():  # a resumed run: its own store
-                self._open(check_store(cfg, self.out))
-            else:
-                remove_unfinished(self.out)
-        else:
-            self.out = Path(path)
-            self._open(check_store(cfg, self.out))
+        path = context.config.sampler.offline.path
+        self.out: Path | None = None if path is None else Path(path)  # null: <run>/offline, known in the first epoch
+        if self.out is not None:  # before the run directory exists: its samples' hash, its latents' shape
+            self._open(check_store(context.config, self.out, verify=True))
+
+    def _own_store(self) -> bool:
+        """The run's own store (``path: null``), in its first epoch: opened when a resumed run made it, else sampled
+        and scored now; False when a stop was agreed meanwhile."""
+        ctx = self.context
+        if ctx.run_dir is None:
+            raise ValueError("sampler.offline.path=null keeps the store in the run directory, and the context has none")
+        self.out = Path(ctx.run_dir) / "offline"
+        if (self.out / INFO).exists():  # a resumed run: its own store
+            self._open(check_store(ctx.config, self.out, verify=True))
+            return True
+        remove_unfinished(self.out)
+        return self._build()
 
     def _open(self, info: StoreInfo) -> None:
         cfg = self.context.config
@@ -118,6 +139,7 @@ class Offline(RolloutStrategy):
         ctx = self.context
         if ctx.score is None:
             raise ValueError("sampler.rollout=offline samples its store through the context's score function")
+        assert self.out is not None
         start = time.perf_counter()
         built = build_store(
             ctx.config, ctx.adapter, ctx.data, ctx.score, self.out, progress=ctx.progress, should_stop=ctx.should_stop
@@ -125,13 +147,14 @@ class Offline(RolloutStrategy):
         if built is None:
             return False
         self.built_s = time.perf_counter() - start
+        check_finite_rewards(ctx.config, built, load_rewards(built)["total"])  # grpo.nan_policy: error refuses it now
         self._open(built)
         return True
 
     def collect(self, epoch: int) -> Collected | None:
         ctx, cfg = self.context, self.context.config
-        built_now = self.info is None
-        if built_now and not self._build():
+        built_now = self.info is None  # the run's own store, opened or sampled in this (its first) epoch
+        if built_now and not self._own_store():
             return None
         info = self.info
         assert info is not None

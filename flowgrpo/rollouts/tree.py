@@ -525,7 +525,7 @@ class Tree(RolloutStrategy):
     config_class = TreeConfig
 
     @classmethod
-    def validate(cls, config: Config) -> None:
+    def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (no per-process setting)
         check_tree(config)
 
     def __init__(self, context: RolloutContext) -> None:
