@@ -1,6 +1,7 @@
 """Noise-free evaluation on a prompt file: every configured reward, per-tag means, an image grid, a report.
 
-The same routine runs every ``eval.every`` epochs during training and from ``scripts/evaluate.py``.
+The same routine runs every ``eval.every`` epochs during training and from ``scripts/evaluate.py`` (``--lora``: an
+exported LoRA in plain diffusers, :mod:`flowgrpo.plain`).
 Initial noise is fixed by the seed, so two evaluations differ only through the weights.
 """
 
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from .adapters import PipelineAdapter
 from .config import EvalConfig, SamplerConfig, WindowConfig
 from .data import PromptDataset
+from .plain import PlainPipeline
 from .rollout import rollout
 
 
@@ -35,7 +37,7 @@ def ode_sampler(eval_config: EvalConfig) -> SamplerConfig:
 
 @torch.no_grad()
 def evaluate_shard(
-    adapter: PipelineAdapter,
+    adapter: PipelineAdapter | PlainPipeline,
     dataset: PromptDataset,
     reward: Any,
     eval_config: EvalConfig,
@@ -49,6 +51,8 @@ def evaluate_shard(
 ) -> tuple[list[int], Tensor, dict[str, Tensor]]:
     """ODE samples and scores of this shard's images (every ``world``-th from ``rank``): (prompt indices, images,
     scores). ``eval.samples_per_prompt`` k: each prompt's k images are consecutive (its index repeats k times).
+    ``adapter`` may be a :class:`~flowgrpo.plain.PlainPipeline`: an exported LoRA sampled by ``pipe(...)`` in plain
+    diffusers from the same noise.
 
     Image j of prompt i starts from the (j+1)-th noise drawn from a generator seeded by ``(seed, i)`` (image 0: the
     first, as with k = 1), so an image does not depend on the batching, on k, or on how the images are split over
@@ -77,39 +81,50 @@ def evaluate_shard(
         batch = [i for i, _ in batch_items]
         texts = [dataset.prompts[i] for i in batch]
         meta = [dict(dataset.metadata[i]) for i in batch]
-        traj = rollout(
-            adapter,
-            texts,
-            list(batch),
-            sampler,
-            range(0, 0),
-            height=resolution,
-            width=resolution,
-            initial_latents=latents,
-            metadata=meta,
-            sources=dataset.sources_of(batch),
-        )
-        sources = {} if traj.source_images is None else {"source_images": traj.source_images}  # image editing
-        for k, v in reward(traj.images, texts, meta, **sources).items():
+        batch_images, sources = _sample(adapter, dataset, batch, latents, sampler, resolution, metadata=meta)
+        for k, v in reward(batch_images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
         kept = len(batch) if image_prompts is None else sum(i < image_prompts for i in batch)  # prompts ascend
-        images.append(traj.images[:kept].cpu())
+        images.append(batch_images[:kept].cpu())
     largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
         padding = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
-        rollout(
-            adapter,
-            [dataset.prompts[0]],
-            [0],
-            sampler,
-            range(0, 0),
-            height=resolution,
-            width=resolution,
-            initial_latents=padding,
-            sources=dataset.sources_of([0]),
-        )
+        _sample(adapter, dataset, [0], padding, sampler, resolution)
     empty = torch.zeros(0, 3, resolution, resolution)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
+
+
+def _sample(
+    adapter: PipelineAdapter | PlainPipeline,
+    dataset: PromptDataset,
+    batch: list[int],
+    latents: Tensor,
+    sampler: SamplerConfig,
+    resolution: int,
+    metadata: list[dict[str, Any]] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The images of prompts ``batch`` from ``latents``, and the reward's extra inputs (image editing: the sources):
+    the ODE rollout, or ``pipe(...)`` for a :class:`PlainPipeline`."""
+    texts = [dataset.prompts[i] for i in batch]
+    if isinstance(adapter, PlainPipeline):
+        steps, scale = sampler.num_steps, sampler.guidance_scale
+        images = adapter.images(
+            texts, latents, height=resolution, width=resolution, num_steps=steps, guidance_scale=scale
+        )
+        return images, {}
+    traj = rollout(
+        adapter,
+        texts,
+        list(batch),
+        sampler,
+        range(0, 0),
+        height=resolution,
+        width=resolution,
+        initial_latents=latents,
+        metadata=metadata,
+        sources=dataset.sources_of(batch),
+    )
+    return traj.images, {} if traj.source_images is None else {"source_images": traj.source_images}  # image editing
 
 
 GRID_IMAGES = 64  # an evaluation report's grid: the first prompts' images, all k of each (eval.json has every score)
@@ -197,7 +212,11 @@ def pass_at_k(dataset: PromptDataset, indices: list[int], scores: dict[str, Tens
 
 
 def evaluate(
-    adapter: PipelineAdapter, dataset: PromptDataset, reward: Any, eval_config: EvalConfig, **options: Any
+    adapter: PipelineAdapter | PlainPipeline,
+    dataset: PromptDataset,
+    reward: Any,
+    eval_config: EvalConfig,
+    **options: Any,
 ) -> tuple[dict[str, float], Tensor, list[str], dict[str, Tensor]]:
     """:func:`evaluate_shard` then :func:`summarize`: (summary, images, prompts, scores); same options."""
     indices, images, scores = evaluate_shard(adapter, dataset, reward, eval_config, **options)

@@ -2,6 +2,9 @@
 
 python scripts/evaluate.py --checkpoint runs/<run>/checkpoints/epoch-00100 [--config cfg.yaml] [--ema]
     [--out DIR] [--overwrite] [key.sub=value ...]        # e.g. eval.num_steps=28 data.test=my_prompts.jsonl
+python scripts/evaluate.py --lora my-lora --config cfg.yaml [--out DIR] [key.sub=value ...]
+    # an exported LoRA (scripts/export.py) in plain diffusers: from_pretrained + load_lora_weights, sampled by
+    # pipe(...) from the same noise, the same rewards and summary; report in my-lora-eval (SD3-family models)
 """
 
 from __future__ import annotations
@@ -14,14 +17,22 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="<run>/checkpoints/epoch-NNNNN")
+    source.add_argument("--lora", help="an exported LoRA directory, evaluated in plain diffusers (needs --config)")
     parser.add_argument("--config", help="config YAML (default: the run's config.yaml)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
-    parser.add_argument("--out", help="report directory (default: <checkpoint>/eval, or <checkpoint>/eval_ema)")
+    parser.add_argument(
+        "--out", help="report directory (default: <checkpoint>/eval, <checkpoint>/eval_ema, or <lora>-eval)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.lora and not args.config:
+        parser.error("--lora needs --config: the model, test prompts, rewards and eval settings to evaluate it with")
+    if args.lora and args.ema:
+        parser.error("--ema chooses a checkpoint's weights: export them with scripts/export.py --ema, then pass --lora")
 
     from flowgrpo.config import load_config
     from flowgrpo.data import PromptDataset
@@ -34,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         protected_dirs,
         run_config,
     )
+    from flowgrpo.plain import load_plain
     from rewards import RewardError, build_reward
 
-    checkpoint = Path(args.checkpoint)
+    checkpoint = Path(args.lora or args.checkpoint)  # --lora: the LoRA directory, kept as a checkpoint is
     name = "eval_ema" if args.ema else "eval"
-    out = Path(args.out) if args.out else checkpoint / name
+    out = Path(args.out) if args.out else Path(f"{checkpoint}-eval") if args.lora else checkpoint / name
     try:
         overrides = ["run.resume=null", *args.overrides]
         if args.config:  # training=False: the files only training reads (an offline store) need not exist
@@ -54,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         dataset = PromptDataset.from_file(config.data.test, "data.test")
         reward = build_reward(config.rewards, device=args.device)
-        adapter = adapter_from_checkpoint(config, checkpoint, ema=args.ema, device=args.device)
+        if args.lora:
+            adapter = load_plain(config, checkpoint, device=args.device)
+        else:
+            adapter = adapter_from_checkpoint(config, checkpoint, ema=args.ema, device=args.device)
     except ValueError as err:  # a bad checkpoint, config, prompt file or --out: nothing was written
         print(f"error: {err}", file=sys.stderr)
         return 2

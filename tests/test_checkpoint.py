@@ -457,6 +457,87 @@ def test_export_round_trip_through_plain_diffusers(tmp_path):
     torch.testing.assert_close(images["merged"], ours, rtol=0, atol=1e-4)
 
 
+def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path):
+    # configs/shapes_best.yaml, one short epoch at a high lr, exported; scripts/evaluate.py --lora evaluates the export
+    # in plain diffusers (from_pretrained + load_lora_weights, pipe(...)) as flowgrpo evaluates the checkpoint.
+    from flowgrpo.data import PromptDataset
+    from flowgrpo.evaluation import evaluate
+    from flowgrpo.export import adapter_from_checkpoint, export_checkpoint
+    from flowgrpo.pipelines import load_pipeline
+    from flowgrpo.plain import PlainPipeline, load_plain
+    from rewards import build_reward
+
+    small = ["grpo.group_size=4", "grpo.groups_per_epoch=2", "sampler.batch_size=8", "train.batch_size=8"]
+    evaluation = ["eval.num_steps=4", "eval.max_prompts=12", "eval.samples_per_prompt=2", "eval.batch_size=8"]
+    run = [f"run.output_dir={tmp_path / 'runs'}", "run.progress=false", "eval.every=0", "run.epochs=1"]
+    overrides = [*run, *small, "sampler.num_steps=4", "train.lr=5e-2", *evaluation]
+    config = load_config(ROOT / "configs" / "shapes_best.yaml", overrides)
+    trainer = GRPOTrainer(config)
+    trainer.fit()
+    ckpt = list_checkpoints(trainer.run_dir)[-1]
+    export_checkpoint(ckpt, tmp_path / "lora")
+
+    dataset = PromptDataset.from_file(ROOT / config.data.test)
+    reward = build_reward(config.rewards)
+    options = {"resolution": 32, "seed": config.run.seed}
+    adapter = adapter_from_checkpoint(config, ckpt)
+    ours, our_images, names, _ = evaluate(adapter, dataset, reward, config.eval, **options)
+    summary, images, plain_names, _ = evaluate(
+        load_plain(config, tmp_path / "lora"), dataset, reward, config.eval, **options
+    )
+    base = PlainPipeline(load_pipeline("shapes-sd3", dtype="fp32"), max_sequence_length=16)
+    _, base_images, _, _ = evaluate(base, dataset, reward, config.eval, **options)
+    assert plain_names == names and len(names) == 24
+    assert (base_images - our_images).abs().max() > 0.05  # the LoRA really changes the images
+    torch.testing.assert_close(images, our_images, rtol=0, atol=1e-5)
+    assert summary.keys() == ours.keys() and "shapes/accuracy/exact/pass@2" in summary
+    for key, value in ours.items():
+        assert summary[key] == (value if "accuracy" in key else pytest.approx(value, abs=1e-5)), key
+
+    # The script: the same summary in <lora>-eval/eval.json.
+    def evaluate_script(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "scripts/evaluate.py", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+    run_config = str(trainer.run_dir / "config.yaml")
+    result = evaluate_script("--lora", str(tmp_path / "lora"), "--config", run_config, "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "lora-eval" / "eval.json").read_text())
+    assert report["summary"] == pytest.approx(summary, abs=1e-6) and len(report["images"]) == 24
+    # Refused before anything is written: no --config, a directory without a LoRA.
+    refused = evaluate_script("--lora", str(tmp_path / "lora"))
+    assert refused.returncode == 2 and "--lora needs --config" in refused.stderr
+    (tmp_path / "empty").mkdir()
+    refused = evaluate_script("--lora", str(tmp_path / "empty"), "--config", run_config, "--device", "cpu")
+    assert refused.returncode == 2 and "has no pytorch_lora_weights.safetensors" in refused.stderr
+    assert not (tmp_path / "empty-eval").exists()
+
+
+def test_a_lora_that_does_not_fit_the_model_is_refused_before_loading():
+    from flowgrpo.checkpoint import CheckpointError
+    from flowgrpo.pipelines import load_pipeline
+    from flowgrpo.plain import check_lora_fits
+
+    transformer = load_pipeline("shapes-sd3", dtype="fp32").transformer
+    layer = transformer.transformer_blocks[0].attn.to_q
+    name = "transformer.transformer_blocks.0.attn.to_q"
+    fits = {
+        f"{name}.lora_A.weight": torch.zeros(4, layer.in_features),
+        f"{name}.lora_B.weight": torch.zeros(layer.out_features, 4),
+    }
+    check_lora_fits(transformer, fits, Path("x"))
+    for bad, match in [
+        ({}, "holds no weights"),
+        ({f"{name}.lora_A.weight": torch.zeros(4, layer.in_features + 1)}, "takes"),
+        ({f"{name}.lora_B.weight": torch.zeros(layer.out_features * 2, 4)}, "outputs"),
+        ({"transformer.transformer_blocks.99.attn.to_q.lora_A.weight": torch.zeros(4, 4)}, "no such linear layer"),
+        ({"text_encoder.foo.lora_A.weight": torch.zeros(4, 4)}, "no such linear layer"),
+        ({f"{name}.lora_magnitude_vector": torch.zeros(4)}, "not a LoRA A or B weight"),
+    ]:
+        with pytest.raises(CheckpointError, match=match):
+            check_lora_fits(transformer, bad, Path("x"))
+
+
 def test_evaluate_and_plot_scripts(tmp_path):
     trainer = _trainer(tmp_path, "run.epochs=2", "eval.every=1", "run.image_grid_every=1", "run.trackers=[tensorboard]")
     trainer.fit()
