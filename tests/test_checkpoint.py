@@ -457,7 +457,7 @@ def test_export_round_trip_through_plain_diffusers(tmp_path):
     torch.testing.assert_close(images["merged"], ours, rtol=0, atol=1e-4)
 
 
-def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path):
+def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path, capsys):
     # configs/shapes_best.yaml, one short epoch at a high lr, exported; scripts/evaluate.py --lora evaluates the export
     # in plain diffusers (from_pretrained + load_lora_weights, pipe(...)) as flowgrpo evaluates the checkpoint.
     from flowgrpo.data import PromptDataset
@@ -494,22 +494,23 @@ def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path):
     for key, value in ours.items():
         assert summary[key] == (value if "accuracy" in key else pytest.approx(value, abs=1e-5)), key
 
-    # The script: the same summary in <lora>-eval/eval.json.
-    def evaluate_script(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "scripts/evaluate.py", *args]
-        return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    # The script, in this process (an interpreter start per call costs more than the evaluation): the same summary
+    # in <lora>-eval/eval.json; refused before anything is written without --config and for a folder without a LoRA.
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     run_config = str(trainer.run_dir / "config.yaml")
-    result = evaluate_script("--lora", str(tmp_path / "lora"), "--config", run_config, "--device", "cpu")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert script.main(["--lora", str(tmp_path / "lora"), "--config", run_config, "--device", "cpu"]) == 0
     report = json.loads((tmp_path / "lora-eval" / "eval.json").read_text())
     assert report["summary"] == pytest.approx(summary, abs=1e-6) and len(report["images"]) == 24
-    # Refused before anything is written: no --config, a directory without a LoRA.
-    refused = evaluate_script("--lora", str(tmp_path / "lora"))
-    assert refused.returncode == 2 and "--lora needs --config" in refused.stderr
+    with pytest.raises(SystemExit) as refused:
+        script.main(["--lora", str(tmp_path / "lora")])
+    assert refused.value.code == 2 and "--lora needs --config" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    refused = evaluate_script("--lora", str(tmp_path / "empty"), "--config", run_config, "--device", "cpu")
-    assert refused.returncode == 2 and "has no pytorch_lora_weights.safetensors" in refused.stderr
+    assert script.main(["--lora", str(tmp_path / "empty"), "--config", run_config, "--device", "cpu"]) == 2
+    assert "has no pytorch_lora_weights.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "empty-eval").exists()
 
 
