@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from .adapters import PipelineAdapter
 from .config import EvalConfig, SamplerConfig, WindowConfig
 from .data import PromptDataset
-from .plain import PlainPipeline
+from .plain import PlainPipeline, check_plain_dataset
 from .rollout import rollout
 
 
@@ -52,7 +52,7 @@ def evaluate_shard(
     """ODE samples and scores of this shard's images (every ``world``-th from ``rank``): (prompt indices, images,
     scores). ``eval.samples_per_prompt`` k: each prompt's k images are consecutive (its index repeats k times).
     ``adapter`` may be a :class:`~flowgrpo.plain.PlainPipeline`: an exported LoRA sampled by ``pipe(...)`` in plain
-    diffusers from the same noise.
+    diffusers from the same noise (text-to-image: prompts with source images are refused).
 
     Image j of prompt i starts from the (j+1)-th noise drawn from a generator seeded by ``(seed, i)`` (image 0: the
     first, as with k = 1), so an image does not depend on the batching, on k, or on how the images are split over
@@ -60,6 +60,8 @@ def evaluate_shard(
     unscored batch), for sharded models whose forwards are collectives. ``image_prompts`` n: only the images of
     prompts 0..n-1 are returned (the report's grid; GenEval's 2212 lines at 512 px would take 7 GB), the scores of all.
     """
+    if isinstance(adapter, PlainPipeline):
+        check_plain_dataset(dataset)  # text-to-image only: pipe(...) takes no source images
     count = len(dataset) if eval_config.max_prompts is None else min(len(dataset), eval_config.max_prompts)
     rank, world = shard
     per_prompt = eval_config.samples_per_prompt

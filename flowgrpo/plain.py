@@ -5,9 +5,13 @@ itself (``StableDiffusion3Pipeline.from_pretrained`` + ``pipe.load_lora_weights`
 
 :func:`flowgrpo.evaluation.evaluate` takes a :class:`PlainPipeline` where it takes an adapter: the same fixed noise
 per held-out line (drawn as the adapter draws it: ``N(0, I)`` float32 latents from the same generator), the same
-rewards and the same summary, with no flowgrpo model code between the weights and the images. For an fp32 model the
-images equal the trainer's evaluation of the checkpoint within float tolerance (``tests/test_checkpoint.py``).
-SD3-family models only (the shapes model, SD3.5), from a local directory or a hub id (not the in-code tiny builds).
+rewards and the same summary keys, with no flowgrpo model code between the weights and the images. For an fp32 model
+(the shapes model) the images equal the trainer's evaluation of the checkpoint within float tolerance, and so does the
+summary (``tests/test_checkpoint.py``). A model whose config sets ``model.vae_fp32`` with another ``model.dtype`` (the
+SD3.5 presets: bf16) is decoded by ``pipe(...)`` in the model's dtype, as plain diffusers does, where flowgrpo decodes
+in fp32: its scores may differ slightly from the checkpoint's evaluation (:func:`dtype_note`). SD3-family
+text-to-image models only (the shapes model, SD3.5), from a local directory or a hub id (not the in-code tiny builds).
+:func:`check_plain` makes every refusal before the model's weights are read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from torch import Tensor
 from .adapters import family
 from .checkpoint import CheckpointError
 from .config import Config
-from .export import LORA_FILE, model_kind
+from .data import PromptDataset
+from .export import LORA_FILE, _empty_transformer, model_kind
 from .pipelines import _DTYPE_KWARG, _absent_components, parse_dtype, read_model_index, resolve_source, tiny_sources
 
 PLAIN_FAMILIES = ("sd3",)  # whose pipe(...) samples from given latents as the evaluation's ODE does (tested)
@@ -68,11 +73,14 @@ class PlainPipeline:
         return out.images.float()
 
 
-def load_plain(config: Config, lora: str | Path, device: str = "cpu") -> PlainPipeline:
-    """``config.model.pretrained`` opened by the family's diffusers pipeline class with the LoRA directory ``lora``
-    loaded by ``load_lora_weights``. Raises ``CheckpointError`` (a ``ValueError``) for a model family other than
-    SD3, an in-code tiny model, a directory without ``pytorch_lora_weights.safetensors``, or a LoRA whose weights do
-    not all fit the model's layers (diffusers would load what matches and skip the rest)."""
+def check_plain(config: Config, lora: str | Path, dataset: PromptDataset | None = None) -> None:
+    """The checks :func:`load_plain` makes before loading anything, cheap enough to run before the rewards and the
+    model load: raises ``CheckpointError`` (a ``ValueError``) for a model family other than SD3, an in-code tiny
+    model, a directory without ``pytorch_lora_weights.safetensors``, prompts with source images (``dataset``: image
+    editing), or a LoRA whose weights do not all fit the model's linear layers (diffusers would load what matches and
+    skip the rest), checked against a weightless transformer built from the model's config alone."""
+    from accelerate import init_empty_weights
+
     lora = Path(lora)
     kind = model_kind(config)
     if kind not in PLAIN_FAMILIES:
@@ -80,6 +88,8 @@ def load_plain(config: Config, lora: str | Path, device: str = "cpu") -> PlainPi
     source = config.model.pretrained
     if source in tiny_sources():
         raise CheckpointError(f"model.pretrained={source!r} is built in code: save it with save_pretrained first")
+    if dataset is not None:
+        check_plain_dataset(dataset)
     file = lora / LORA_FILE
     if not file.is_file():
         raise CheckpointError(f"{lora} has no {LORA_FILE}: pass a directory written by scripts/export.py")
@@ -87,12 +97,49 @@ def load_plain(config: Config, lora: str | Path, device: str = "cpu") -> PlainPi
         weights = load_file(str(file))
     except (OSError, SafetensorError) as err:
         raise CheckpointError(f"{file} cannot be read ({err}): export it again") from None
-    path = resolve_source(source)
+    with init_empty_weights():  # parameters on the meta device: the layers' sizes without memory
+        transformer = _empty_transformer(resolve_source(source), kind)
+    check_lora_fits(transformer, weights, file)
+
+
+def check_plain_dataset(dataset: PromptDataset) -> None:
+    """``--lora`` samples text-to-image only: prompts with source images (an editing prompt file) are refused."""
+    if dataset.sources is not None:
+        raise CheckpointError(
+            f"{dataset.path} gives each prompt a source image (image editing): editing models are not supported by "
+            "--lora; evaluate the checkpoint with --checkpoint"
+        )
+
+
+def dtype_note(config: Config) -> str | None:
+    """A note when the checkpoint's evaluation decodes differently from plain diffusers: ``model.vae_fp32`` moves
+    flowgrpo's VAE to fp32, and ``pipe(...)`` decodes in the model's dtype (as plain diffusers does)."""
+    if not config.model.vae_fp32 or parse_dtype(config.model.dtype) == torch.float32:
+        return None
+    return (
+        f"note: model.vae_fp32 is set, but --lora decodes as plain diffusers does, in model.dtype={config.model.dtype}"
+        ", so its scores may differ slightly from the checkpoint's evaluation"
+    )
+
+
+def load_plain(config: Config, lora: str | Path, device: str = "cpu") -> PlainPipeline:
+    """``config.model.pretrained`` opened by the family's diffusers pipeline class with the LoRA directory ``lora``
+    loaded by ``load_lora_weights``, after :func:`check_plain`'s checks. Raises ``CheckpointError`` (a
+    ``ValueError``) for what those refuse and for a model or LoRA that diffusers cannot load."""
+    check_plain(config, lora)
+    lora = Path(lora)
+    kind = model_kind(config)
+    path = resolve_source(config.model.pretrained)
     cls = family(kind).pipeline_class
     dtype = parse_dtype(config.model.dtype)
-    pipe = cls.from_pretrained(path, **_absent_components(read_model_index(path)), **{_DTYPE_KWARG: dtype})
-    check_lora_fits(pipe.transformer, weights, file)
-    pipe.load_lora_weights(str(lora), weight_name=LORA_FILE)
+    try:
+        pipe = cls.from_pretrained(path, **_absent_components(read_model_index(path)), **{_DTYPE_KWARG: dtype})
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"model.pretrained={config.model.pretrained!r} cannot be loaded ({err})") from None
+    try:
+        pipe.load_lora_weights(str(lora), weight_name=LORA_FILE)
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"{lora / LORA_FILE} cannot be loaded by load_lora_weights ({err})") from None
     pipe.to(device)
     return PlainPipeline(
         pipe, negative_prompt=config.model.negative_prompt, max_sequence_length=config.model.max_sequence_length
@@ -104,6 +151,9 @@ def check_lora_fits(transformer: torch.nn.Module, weights: dict[str, Tensor], fi
     ``[out, r]``) names a linear layer of ``transformer`` of those sizes, and there is at least one."""
     problems = [] if weights else ["it holds no weights"]
     for key, value in sorted(weights.items()):
+        if key.startswith("text_encoder"):  # text_encoder.*, text_encoder_2.*, ...: a LoRA on a text encoder
+            problems.append(f"{key}: text-encoder LoRA is not supported by --lora")
+            continue
         module_name, _, part = key.removeprefix("transformer.").rpartition(".lora_")
         module = _submodule(transformer, module_name) if key.startswith("transformer.") else None
         sizes = (getattr(module, "in_features", None), getattr(module, "out_features", None))

@@ -4,7 +4,9 @@ python scripts/evaluate.py --checkpoint runs/<run>/checkpoints/epoch-00100 [--co
     [--out DIR] [--overwrite] [key.sub=value ...]        # e.g. eval.num_steps=28 data.test=my_prompts.jsonl
 python scripts/evaluate.py --lora my-lora --config cfg.yaml [--out DIR] [key.sub=value ...]
     # an exported LoRA (scripts/export.py) in plain diffusers: from_pretrained + load_lora_weights, sampled by
-    # pipe(...) from the same noise, the same rewards and summary; report in my-lora-eval (SD3-family models)
+    # pipe(...) from the same noise (drawn from the config's run.seed), scored by the same rewards; report in
+    # my-lora-eval (SD3-family text-to-image models). For an fp32 model (the shapes model) the summary is the
+    # checkpoint's; with model.vae_fp32 on a bf16 model pipe(...) decodes in bf16, so scores may differ slightly
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="<run>/checkpoints/epoch-NNNNN")
-    source.add_argument("--lora", help="an exported LoRA directory, evaluated in plain diffusers (needs --config)")
+    source.add_argument(
+        "--lora",
+        help="an exported LoRA directory, evaluated in plain diffusers (needs --config; noise from its run.seed); "
+        "for an fp32 model the same summary as the checkpoint's evaluation",
+    )
     parser.add_argument("--config", help="config YAML (default: the run's config.yaml)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
     parser.add_argument(
@@ -45,12 +51,18 @@ def main(argv: list[str] | None = None) -> int:
         protected_dirs,
         run_config,
     )
-    from flowgrpo.plain import load_plain
+    from flowgrpo.plain import check_plain, dtype_note, load_plain
     from rewards import RewardError, build_reward
 
     checkpoint = Path(args.lora or args.checkpoint)  # --lora: the LoRA directory, kept as a checkpoint is
     name = "eval_ema" if args.ema else "eval"
-    out = Path(args.out) if args.out else Path(f"{checkpoint}-eval") if args.lora else checkpoint / name
+    if args.out:
+        out = Path(args.out)
+    elif args.lora:  # resolved first: --lora . gives <its name>-eval beside it, not .-eval
+        lora = checkpoint.expanduser().resolve()
+        out = lora.with_name(lora.name + "-eval")
+    else:
+        out = checkpoint / name
     try:
         overrides = ["run.resume=null", *args.overrides]
         if args.config:  # training=False: the files only training reads (an offline store) need not exist
@@ -59,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
             config = run_config(checkpoint, overrides)
         if not config.data.test:
             raise ValueError("data.test is not set: pass data.test=<prompt file>")
-        if hint := ema_hint(config, args.ema):
+        if not args.lora and (hint := ema_hint(config, args.ema)):  # an export holds the weights it was made from
             print(hint, file=sys.stderr)
         check_output_dir(
             out, overwrite=args.overwrite, kind="eval", protected=protected_dirs(config), keep=[checkpoint]
         )
         dataset = PromptDataset.from_file(config.data.test, "data.test")
+        if args.lora:  # every refusal before the rewards and the model load
+            check_plain(config, checkpoint, dataset)
+            if note := dtype_note(config):
+                print(note, file=sys.stderr)
         reward = build_reward(config.rewards, device=args.device)
         if args.lora:
             adapter = load_plain(config, checkpoint, device=args.device)

@@ -496,11 +496,7 @@ def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path, 
 
     # The script, in this process (an interpreter start per call costs more than the evaluation): the same summary
     # in <lora>-eval/eval.json; refused before anything is written without --config and for a folder without a LoRA.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _evaluate_script()
     run_config = str(trainer.run_dir / "config.yaml")
     assert script.main(["--lora", str(tmp_path / "lora"), "--config", run_config, "--device", "cpu"]) == 0
     report = json.loads((tmp_path / "lora-eval" / "eval.json").read_text())
@@ -514,29 +510,128 @@ def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path, 
     assert not (tmp_path / "empty-eval").exists()
 
 
-def test_a_lora_that_does_not_fit_the_model_is_refused_before_loading():
-    from flowgrpo.checkpoint import CheckpointError
+def _evaluate_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _one_layer_lora(transformer, extra_in=0):
+    """A diffusers LoRA file's weights for the first block's to_q (``extra_in`` more inputs than the layer takes)."""
+    layer = transformer.transformer_blocks[0].attn.to_q
+    name = "transformer.transformer_blocks.0.attn.to_q"
+    return {
+        f"{name}.lora_A.weight": torch.zeros(4, layer.in_features + extra_in),
+        f"{name}.lora_B.weight": torch.zeros(layer.out_features, 4),
+    }
+
+
+def test_a_lora_that_does_not_fit_the_model_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    from safetensors.torch import save_file
+
+    import rewards
+    from flowgrpo.adapters import family
     from flowgrpo.pipelines import load_pipeline
     from flowgrpo.plain import check_lora_fits
 
     transformer = load_pipeline("shapes-sd3", dtype="fp32").transformer
     layer = transformer.transformer_blocks[0].attn.to_q
     name = "transformer.transformer_blocks.0.attn.to_q"
-    fits = {
-        f"{name}.lora_A.weight": torch.zeros(4, layer.in_features),
-        f"{name}.lora_B.weight": torch.zeros(layer.out_features, 4),
-    }
-    check_lora_fits(transformer, fits, Path("x"))
+    check_lora_fits(transformer, _one_layer_lora(transformer), Path("x"))
     for bad, match in [
         ({}, "holds no weights"),
         ({f"{name}.lora_A.weight": torch.zeros(4, layer.in_features + 1)}, "takes"),
         ({f"{name}.lora_B.weight": torch.zeros(layer.out_features * 2, 4)}, "outputs"),
         ({"transformer.transformer_blocks.99.attn.to_q.lora_A.weight": torch.zeros(4, 4)}, "no such linear layer"),
-        ({"text_encoder.foo.lora_A.weight": torch.zeros(4, 4)}, "no such linear layer"),
+        ({"text_encoder.foo.lora_A.weight": torch.zeros(4, 4)}, "text-encoder LoRA is not supported by --lora"),
+        ({"text_encoder_2.foo.lora_B.weight": torch.zeros(4, 4)}, "text-encoder LoRA is not supported by --lora"),
         ({f"{name}.lora_magnitude_vector": torch.zeros(4)}, "not a LoRA A or B weight"),
     ]:
         with pytest.raises(CheckpointError, match=match):
             check_lora_fits(transformer, bad, Path("x"))
+
+    # scripts/evaluate.py --lora refuses it before the rewards and the model are loaded: exit 2, nothing written.
+    def loaded(*args, **kwargs):
+        pytest.fail("scripts/evaluate.py --lora loaded the rewards or the model before refusing the LoRA")
+
+    monkeypatch.setattr(rewards, "build_reward", loaded)
+    monkeypatch.setattr(family("sd3").pipeline_class, "from_pretrained", loaded)
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    save_file(_one_layer_lora(transformer, extra_in=1), str(lora / "pytorch_lora_weights.safetensors"))
+    config = str(ROOT / "configs" / "shapes_best.yaml")
+    script = _evaluate_script()
+    ema = ["eval.use_ema=true", "train.ema=0.9"]  # the run chose by its EMA weights: no "pass --ema" for an export
+    assert script.main(["--lora", str(lora), "--config", config, "--device", "cpu", *ema]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit model.pretrained" in err and "the layer takes" in err and "Traceback" not in err
+    assert "--ema" not in err
+    assert not (tmp_path / "lora-eval").exists()
+
+    # The default report directory of --lora . is <the LoRA's name>-eval beside it (not .-eval): an earlier one there
+    # is refused without --overwrite.
+    (tmp_path / "lora-eval").mkdir()
+    (tmp_path / "lora-eval" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(lora)
+    assert script.main(["--lora", ".", "--config", config, "--device", "cpu"]) == 2
+    assert f"--out {tmp_path / 'lora-eval'} is not empty" in capsys.readouterr().err
+    assert not (lora / ".-eval").exists()
+
+
+def test_lora_refusals_of_models_prompts_and_loads_diffusers_cannot_take(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from flowgrpo.adapters import family
+    from flowgrpo.data import PromptDataset
+    from flowgrpo.evaluation import evaluate
+    from flowgrpo.pipelines import load_pipeline
+    from flowgrpo.plain import PlainPipeline, check_plain, dtype_note, load_plain
+
+    config = load_config(ROOT / "configs" / "shapes_best.yaml", [])
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    weights = _one_layer_lora(load_pipeline("shapes-sd3", dtype="fp32").transformer)
+    save_file(weights, str(lora / "pytorch_lora_weights.safetensors"))
+    check_plain(config, lora)  # fits, from the transformer's config alone
+
+    # Editing prompts (source images): refused early by check_plain, and by the evaluation itself.
+    editing = PromptDataset(["make it red"], [{}], "edits.jsonl", sources=["a.png"])
+    with pytest.raises(CheckpointError, match=r"edits\.jsonl .*editing models are not supported by --lora"):
+        check_plain(config, lora, editing)
+
+    class FakePipe:
+        def set_progress_bar_config(self, **kwargs):
+            pass
+
+    with pytest.raises(CheckpointError, match="editing models are not supported by --lora"):
+        evaluate(PlainPipeline(FakePipe()), editing, None, config.eval, resolution=32)
+
+    # What diffusers raises while loading becomes a CheckpointError (scripts/evaluate.py: exit 2, no traceback).
+    cls = family("sd3").pipeline_class
+
+    def unreadable(*args, **kwargs):
+        raise OSError("Error no file named diffusion_pytorch_model.safetensors")
+
+    monkeypatch.setattr(cls, "from_pretrained", unreadable)
+    with pytest.raises(CheckpointError, match=r"model\.pretrained='shapes-sd3' cannot be loaded \(Error no file"):
+        load_plain(config, lora)
+
+    class RefusingPipe(FakePipe):
+        def load_lora_weights(self, *args, **kwargs):
+            raise RuntimeError("size mismatch for lora_A")
+
+    monkeypatch.setattr(cls, "from_pretrained", lambda *args, **kwargs: RefusingPipe())
+    with pytest.raises(CheckpointError, match=r"cannot be loaded by load_lora_weights \(size mismatch for lora_A\)"):
+        load_plain(config, lora)
+
+    # model.vae_fp32 on a bf16 model: plain diffusers decodes in bf16, and the script says so.
+    assert dtype_note(config) is None  # fp32: the checkpoint's evaluation
+    bf16 = load_config(ROOT / "configs" / "shapes_best.yaml", ["model.dtype=bf16", "model.vae_fp32=true"])
+    assert "in model.dtype=bf16, so its scores may differ slightly" in dtype_note(bf16)
+    assert dtype_note(load_config(ROOT / "configs" / "shapes_best.yaml", ["model.dtype=bf16"])) is None
 
 
 def test_evaluate_and_plot_scripts(tmp_path):

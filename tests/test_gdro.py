@@ -410,6 +410,40 @@ def test_the_objectives_offline_serves_are_those_whose_loss_is_not_tied_to_the_s
     assert Window.samples_from_current_weights and not Untied.samples_from_current_weights
     assert not Child.samples_from_current_weights
 
+    class Ode(Window):  # the flag Window got from its rollout is no choice of Window's: an ode subclass is untied
+        rollout = "ode"
+
+    class WindowAgain(Ode):
+        rollout = "sde_window"
+
+    assert not Ode.samples_from_current_weights and WindowAgain.samples_from_current_weights
+
+
+def test_an_sde_window_objective_is_refused_offline_even_when_it_says_its_samples_may_come_from_another_model():
+    from flowgrpo.objectives import register_objective
+
+    @register_objective("untied_window")
+    class UntiedWindow(Objective):  # out of tree: re-scores stored transitions, yet sets the flag False
+        rollout = "sde_window"
+        samples_from_current_weights = False
+
+    @register_objective("untied_ode")
+    class UntiedOde(Objective):
+        rollout = "ode"
+
+    try:
+        cfg = load_config(TINY, OFFLINE)  # path: null: nothing to read
+        Offline.validate(cfg)
+        cfg.grpo.objective = "untied_ode"
+        Offline.validate(cfg)
+        cfg.grpo.objective = "untied_window"
+        message = r"grpo\.objective=untied_window re-scores the SDE window's transitions .*"
+        with pytest.raises(ConfigError, match=message + r"\(awm, dgpo, dpo, gdro, sft, untied_ode\)"):
+            Offline.validate(cfg)
+    finally:
+        OBJECTIVES.pop("untied_window")
+        OBJECTIVES.pop("untied_ode")
+
 
 def test_a_store_sampled_in_the_run_is_refused_with_several_processes_before_anything_loads():
     cfg = load_config(TINY, OFFLINE)  # path: null, one process

@@ -283,6 +283,18 @@ def test_a_rollout_strategys_validate_gets_the_process_count_and_the_older_hook_
         def validate(cls, config):
             seen.append(("old",))
 
+    @register_rollout("keyword_hook")
+    class KeywordHook(Chain):
+        @classmethod
+        def validate(cls, config, *, world_size=1):
+            seen.append(("keyword", world_size))
+
+    @register_rollout("kwargs_hook")
+    class KwargsHook(Chain):
+        @classmethod
+        def validate(cls, config, **kwargs):
+            seen.append(("kwargs", kwargs.get("world_size")))
+
     try:
         config = load_config(TINY, ["run.progress=false"])
         for strategy in (CountingHook, OlderHook):
@@ -291,6 +303,11 @@ def test_a_rollout_strategys_validate_gets_the_process_count_and_the_older_hook_
             validate(config, world_size=2, training=False)  # evaluate, export: no rollout, nothing checked
             strategy.validate(config)  # callers with one argument, as before
         assert seen == [("new", 2), ("new", 1), ("old",), ("old",)]
+        seen.clear()
+        for strategy in (KeywordHook, KwargsHook):  # the count by name: keyword-only, or among **kwargs
+            config.sampler.rollout = strategy.name
+            validate(config, world_size=2)
+        assert seen == [("keyword", 2), ("kwargs", 2)]
     finally:
-        ROLLOUTS.pop("counting_hook")
-        ROLLOUTS.pop("older_hook")
+        for name in ("counting_hook", "older_hook", "keyword_hook", "kwargs_hook"):
+            ROLLOUTS.pop(name)

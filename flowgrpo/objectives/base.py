@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ..rollout import Trajectory
 
 ROLLOUTS = ("sde_window", "ode")
+_AUTO_FLAG = "_samples_from_current_weights_auto"  # in a class's __dict__: its flag was set by __init_subclass__
 
 
 @dataclass
@@ -71,14 +72,22 @@ class Objective:
     #: whether the loss assumes that the epoch's samples were drawn with the trainable weights as the epoch's training
     #: begins (stored log-probs, old weights, a likelihood ratio): then it cannot train on samples drawn once by
     #: another model (``sampler.rollout: offline``). True for every ``sde_window`` objective (set by
-    #: ``__init_subclass__`` unless the class sets it), and for nft and fpo (their old weights).
+    #: ``__init_subclass__`` from the rollout unless the class or a base class sets it: a value set that way is no
+    #: choice, so an ``ode`` subclass of an ``sde_window`` objective gets False), and for nft and fpo (their old
+    #: weights). The offline rollout refuses every ``sde_window`` objective whatever it says (the store holds no SDE
+    #: transitions).
     samples_from_current_weights: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        chosen = any("samples_from_current_weights" in c.__dict__ for c in cls.__mro__ if c is not Objective)
-        if cls.rollout == "sde_window" and not chosen:  # it re-scores stored transitions against their log-probs
-            cls.samples_from_current_weights = True
+        chosen = any(
+            "samples_from_current_weights" in c.__dict__ and not c.__dict__.get(_AUTO_FLAG, False)
+            for c in cls.__mro__
+            if c is not Objective
+        )
+        if not chosen:  # set from the rollout, and marked so that a subclass does not count it as a class's choice
+            cls.samples_from_current_weights = cls.rollout == "sde_window"  # it re-scores stored log-probs
+            setattr(cls, _AUTO_FLAG, True)
 
     def __init__(self, config: Config) -> None:
         self.config = config

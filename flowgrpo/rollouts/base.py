@@ -12,7 +12,9 @@ it exists (rewards are scored in the background while the next batch samples) an
 said so between batches (every process must see the same number of batches). :meth:`RolloutStrategy.sample_batches`
 runs that loop; ``batch_inputs``, ``sampling_options`` and ``submit`` do a batch's common parts. The built-in
 strategies are listed in :mod:`flowgrpo.rollouts`; a source of stored samples (``offline``) returns their stored
-rewards as :attr:`Collected.scores` instead of submitting anything, and may keep files in ``context.run_dir``. A
+rewards as :attr:`Collected.scores` instead of submitting anything, and may keep files in ``context.run_dir`` (None
+during the strategy's ``__init__``, which the trainer runs before the run directory exists; set before the first
+``collect``). A
 strategy with settings sets ``config_class`` (its section ``sampler.<name>.*``); what its estimator needs beyond the
 rewards travels in ``Trajectory.extras``.
 """
@@ -99,8 +101,9 @@ class RolloutStrategy:
     def validate(cls, config: Config, world_size: int = 1) -> None:  # noqa: ARG003 (the default needs no setting)
         """Refuse settings this strategy cannot use at ``world_size`` processes (a ConfigError naming key and fix),
         before anything loads; reads only what is cheap to read (files are checked in full in ``__init__``, which
-        runs before the run directory exists). An override written as ``validate(cls, config)`` still works: it is
-        then called without the process count (:func:`validate_rollout`)."""
+        runs before the run directory exists). The count reaches an override as ``world_size`` (a parameter of that
+        name, positional or keyword-only, or ``**kwargs``); one written as ``validate(cls, config)`` still works: it
+        is then called without the count (:func:`validate_rollout`)."""
 
     def collect(self, epoch: int) -> Collected | None:
         raise NotImplementedError
@@ -186,12 +189,15 @@ def get_rollout(name: str) -> type[RolloutStrategy]:
 
 
 def validate_rollout(config: Config, world_size: int = 1) -> None:
-    """``sampler.rollout``'s own checks (:meth:`RolloutStrategy.validate`) at ``world_size`` processes; a strategy
-    whose ``validate`` takes the config only (the hook's older form) is called without the count."""
+    """``sampler.rollout``'s own checks (:meth:`RolloutStrategy.validate`) at ``world_size`` processes, passed as
+    ``world_size=`` to a ``validate`` with a parameter of that name (positional or keyword-only) or ``**kwargs``; one
+    without (the hook's older form, the config only) is called without the count."""
     check = get_rollout(config.sampler.rollout).validate
-    params = inspect.signature(check).parameters.values()
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
+    params = inspect.signature(check).parameters
+    named = params.get("world_size")
+    if named is not None and named.kind is named.POSITIONAL_ONLY:
         check(config, world_size)
+    elif named is not None or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        check(config, world_size=world_size)
     else:
         check(config)

@@ -1,7 +1,8 @@
 """``sampler.rollout: offline``: an epoch's groups come from a store sampled once (:mod:`flowgrpo.offline`), not from
 the sampler: GDRO's fully offline setting (:mod:`flowgrpo.objectives.gdro`), open to every objective whose loss does
 not assume that the epoch's samples came from the weights being trained
-(:attr:`~flowgrpo.objectives.Objective.samples_from_current_weights`).
+(:attr:`~flowgrpo.objectives.Objective.samples_from_current_weights`) and that trains on final samples
+(``rollout = "ode"``).
 
 ``sampler.offline.path`` names a store made by ``scripts/sample_offline.py``; null samples one into the run directory
 (``<run>/offline``) on the run's first epoch, with the base model, and a resumed run reuses it. Each epoch then
@@ -53,6 +54,12 @@ if TYPE_CHECKING:
     from .base import RolloutContext
 
 
+def _tied_to_sampling(objective: type) -> bool:
+    """Whether an objective cannot train on a store: it re-scores SDE transitions (none are stored), or says that its
+    loss assumes the epoch's samples came from the weights being trained (even an sde_window one that says not)."""
+    return objective.rollout != "ode" or objective.samples_from_current_weights
+
+
 @dataclass(frozen=True)
 class Row:
     """One served image: its store group, its place in the group, and the id of the group it trains in."""
@@ -75,8 +82,8 @@ class Offline(RolloutStrategy):
         check_offline_section(config)
         name = config.grpo.objective
         objective = get_objective(name)
-        if objective.samples_from_current_weights:
-            usable = ", ".join(sorted(n for n, c in OBJECTIVES.items() if not c.samples_from_current_weights))
+        if _tied_to_sampling(objective):
+            usable = ", ".join(sorted(n for n, c in OBJECTIVES.items() if not _tied_to_sampling(c)))
             why = (
                 "re-scores the SDE window's transitions against the log-probs they were sampled with"
                 if objective.rollout == "sde_window"
