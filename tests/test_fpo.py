@@ -220,8 +220,13 @@ def test_once_the_weights_move_a_term_runs_the_old_forward_on_the_epoch_start_sn
     d_start = errors(adapter, traj, sigma, noise, transformer=start)[0]
     d_one = errors(adapter, traj, sigma, noise, transformer=after_one)[0]
     against_start, against_one = torch.exp(d_start - d), torch.exp(d_one - d)
-    assert stats["ratio_mean"].item() == pytest.approx(against_start.mean().item(), rel=1e-6)
-    assert stats["ratio_mean"].item() != pytest.approx(against_one.mean().item(), rel=1e-4)
+    # The two hypotheses must be told apart by the reported statistics (means alone can nearly coincide: they did,
+    # to 5e-6, on another CPU), so the check compares mean, min and max together.
+    got = torch.stack([stats[k].detach().reshape(()) for k in ("ratio_mean", "ratio_min", "ratio_max")])
+    start_stats = torch.stack([against_start.mean(), against_start.min(), against_start.max()])
+    one_stats = torch.stack([against_one.mean(), against_one.min(), against_one.max()])
+    assert (start_stats - one_stats).abs().max().item() > 1e-3  # the setup separates them
+    torch.testing.assert_close(got, start_stats, rtol=1e-6, atol=0)
     assert stats["ratio_max"].item() > 1.0 or stats["ratio_min"].item() < 1.0
 
 
