@@ -28,7 +28,7 @@ from flowgrpo.config import ConfigError, validate
 from flowgrpo.objectives.awm import AWM
 from flowgrpo.objectives.forward import NoisedPoint
 from flowgrpo.objectives.fpo import FPO, FPOConfig, elbo_weight, ratio_surrogate, weighted_error
-from flowgrpo.objectives.guard import EpochStartWeights
+from flowgrpo.objectives.nft import OldWeights
 
 ADVANTAGES = torch.tensor([1.5, -0.5, 0.25, -1.25])  # test_awm's trajectory: groups [0, 0, 1, 1]
 SKEWED = torch.tensor([1.5, -0.5, 0.25, 1.25])  # not summing to 0: the loss is no small difference of terms
@@ -239,7 +239,7 @@ def test_a_sample_clipped_on_its_advantages_side_gets_no_gradient():
     old_transformer = copy.deepcopy(adapter.transformer)
     x0 = traj.final_latents
     sigma, noise = shared_draws(x0, ROWS)
-    snapshot = EpochStartWeights(params)  # the epoch's start, as begin_epoch takes it
+    snapshot = OldWeights(params)  # the epoch's start, as begin_epoch takes it
     _move(params)
     d, d_old = errors(adapter, traj, sigma, noise)[0], errors(adapter, traj, sigma, noise, old_transformer)[0]
     log_ratio = d_old - d

@@ -19,12 +19,12 @@ from flowgrpo.config import ConfigError, load_config
 from flowgrpo.objectives import MicroBatch
 from flowgrpo.objectives.clipped import Clipped
 from flowgrpo.objectives.guard import (
-    EpochStartWeights,
     Guard,
     guard_timestep_loss,
     ratio_norm_log_ratio,
     step_weights,
 )
+from flowgrpo.objectives.nft import OldWeights
 from flowgrpo.rollout import Trajectory, evaluate_transitions, rollout, stored_log_probs, stored_means
 from flowgrpo.tiny import build_tiny_pipeline
 from flowgrpo.trainer import GRPOTrainer
@@ -124,7 +124,7 @@ def test_step_weights_on_a_hand_made_schedule():
 # ---- on a tiny pipeline ---------------------------------------------------------------------------------------------
 
 
-class CountedWeights(EpochStartWeights):
+class CountedWeights(OldWeights):
     swaps = 0
 
     def swapped_in(self):
@@ -245,7 +245,7 @@ def test_with_stored_means_a_moved_term_is_one_forward_and_the_fallbacks_loss(ti
     on_policy = {name: _forwards_per_loss(adapter, objectives[name], batch) for name, batch in batches.items()}
     assert on_policy["stored"][2] == on_policy["recomputed"][2] == 1
     assert objectives["stored"].old_weights is None  # stored means: no snapshot at all
-    assert isinstance(objectives["recomputed"].old_weights, EpochStartWeights)
+    assert isinstance(objectives["recomputed"].old_weights, OldWeights)
     assert torch.equal(on_policy["stored"][0], on_policy["recomputed"][0])
     saved = [p.detach().clone() for p in params]
     _move(adapter)
@@ -297,7 +297,7 @@ def test_without_its_corrections_guard_is_the_clipped_objective_bit_for_bit(tiny
 def test_epoch_start_weights_notice_the_first_step_and_keep_the_snapshot(tiny):
     _, adapter, _ = tiny
     params = _params(adapter)
-    snapshot = EpochStartWeights(params)
+    snapshot = OldWeights(params)
     assert not snapshot.moved()
     saved = [p.detach().clone() for p in params]
     _move(adapter, 1e-3)
@@ -417,7 +417,7 @@ def test_a_trainer_epoch_with_guard(tmp_path, monkeypatch):
     import flowgrpo.objectives.guard as guard
 
     CountedWeights.swaps = 0
-    monkeypatch.setattr(guard, "EpochStartWeights", CountedWeights)
+    monkeypatch.setattr(guard, "OldWeights", CountedWeights)
     forwards: list[tuple[bool, int]] = []  # (the trajectory had means, forwards) per term
 
     def counted(adapter, cfg, sub, *args):

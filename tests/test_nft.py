@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from rollout_helper import forward_rows
 from test_awm import PROMPTS, TINY, _conditional_velocity, _draws, _setup
 
 from flowgrpo.config import ConfigError, load_config
@@ -100,6 +101,36 @@ def test_at_the_old_weights_the_nft_gradient_is_advantage_weighted_matching():
         assert any(g.abs().sum() > 0 for g in grads)
 
 
+def test_before_the_first_step_the_old_velocity_is_the_current_one_without_a_second_forward():
+    """Weights no optimizer step has moved: one forward per term, and the loss and its gradient equal those of the
+    old forward run on the (equal) snapshot; once the weights move, the snapshot's forward runs again."""
+    adapter, traj = _setup()
+    params = _trainable(adapter)
+    cfg = _config(*DRAWS, "grpo.nft.beta=0.7", "grpo.kl.beta=0.5")
+
+    class AlwaysMoved(OldWeights):
+        def moved(self) -> bool:
+            return True
+
+    results = {}
+    for name, old in (("skipped", OldWeights(params)), ("forced", AlwaysMoved(params))):
+        with forward_rows(adapter) as forwards:
+            loss, _ = _loss(adapter, cfg, traj, old)
+        results[name] = (loss.detach(), torch.autograd.grad(loss, params), len(forwards))
+    (loss, grads, n), (loss_forced, grads_forced, n_forced) = results["skipped"], results["forced"]
+    assert (n, n_forced) == (2, 3)  # current + the KL's reference, and the old one when forced
+    torch.testing.assert_close(loss, loss_forced, rtol=0, atol=0)
+    for got, want in zip(grads, grads_forced, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    old = OldWeights(params)
+    with torch.no_grad():
+        params[0].add_(0.01)
+    with forward_rows(adapter) as forwards:
+        _loss(adapter, cfg, traj, old)
+    assert old.moved() and len(forwards) == 3
+
+
 def test_old_weights_run_a_block_on_the_snapshot_and_restore_the_storage():
     adapter, traj = _setup()
     params = _trainable(adapter)
@@ -160,8 +191,9 @@ def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts
     assert [r["global_step"] for r in rows if "train/loss" in r] == [2, 4]  # 2 optimizer steps per epoch
     # Epoch 0's old weights are the initial ones; epoch 1's are where epoch 0 ended (moved), not the current ones.
     assert len(snapshots) == 2
-    # Every loss term's old velocity ran on its epoch's snapshot: 2 micro-batches × 1 term per epoch.
-    assert swaps == [1, 1, 2, 2]
+    # 2 micro-batches × 1 term per epoch, one optimizer step after each: the first term of an epoch runs before any
+    # step (its old velocity is the current one, no swap), the second on its epoch's snapshot.
+    assert swaps == [1, 2]
     assert all(torch.equal(s, p) for s, p in zip(snapshots[0], start, strict=True))
     assert any(not torch.equal(s, p) for s, p in zip(snapshots[1], start, strict=True))
     assert any(not torch.equal(s, p.detach()) for s, p in zip(snapshots[1], params, strict=True))

@@ -32,7 +32,7 @@ by the guidance scale is not applied: the ratio trains without CFG unless ``grpo
 ``-(sg(r) · A · ELBO_θ)``.
 
 **The old weights** are the trainable weights when each epoch's training begins
-(:class:`~.guard.EpochStartWeights`). Until the first optimizer step of the epoch they are the current ones: the old
+(:class:`~.nft.OldWeights`). Until the first optimizer step of the epoch they are the current ones: the old
 forward is skipped and the current error, detached, stands for the old one, so r is exactly 1 and a term costs one
 forward less; there the gradient is mean_i A_i ∇ℓ_θ,i with w held fixed, AWM's (:mod:`.awm`) with each sample's
 weight w_i (``tests/test_fpo.py``). Once a step has moved the weights, each term runs the old forward on the
@@ -70,7 +70,6 @@ from ..checks import ConfigError, check_range, one_of
 from .base import MicroBatch, register_objective
 from .clipped import LossStats, grpo_loss
 from .forward import ForwardProcessConfig, NoisedPoint, flow_matching_error, noised_point, velocity, velocity_kl
-from .guard import EpochStartWeights
 from .nft import OldWeightsObjective, _adaptive_error
 
 if TYPE_CHECKING:
@@ -126,7 +125,6 @@ class FPO(OldWeightsObjective):
     ratio against the weights the epoch sampled with."""
 
     config_class: ClassVar[type] = FPOConfig
-    old_weights: EpochStartWeights | None
 
     @classmethod
     def validate(cls, config: Config) -> None:
@@ -156,9 +154,6 @@ class FPO(OldWeightsObjective):
             "acts (AWM plus the KL); set train.updates_per_epoch: 2 or more, or train.inner_epochs: 2 or more, or "
             "use grpo.objective: awm"
         )
-
-    def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
-        self.old_weights = EpochStartWeights(params)
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """One term: a fresh (σ, ε) per sample, both weighted errors (the old one without gradient: from the epoch-start

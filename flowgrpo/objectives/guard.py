@@ -132,20 +132,6 @@ def per_sample_std(std: Tensor, batch: int) -> Tensor:
     return std.reshape(std.shape[0], -1)[:, 0]
 
 
-class EpochStartWeights(OldWeights):
-    """The trainable weights when the epoch's training began (:class:`~.nft.OldWeights`), and whether an optimizer
-    step has moved them since: until then the current weights are the old ones (no second forward needed)."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        super().__init__(params)
-        self._moved = False
-
-    def moved(self) -> bool:
-        if not self._moved:  # weights never come back within an epoch: once moved, stays so
-            self._moved = any(not torch.equal(p.detach(), s) for p, s in zip(self.params, self.saved, strict=True))
-        return self._moved
-
-
 def _at(values: Tensor, positions: Tensor) -> Tensor:
     """``values[i, positions[i]]`` for per-step fields ``[B, W]``."""
     return values.gather(1, positions.view(-1, 1).to(values.device)).squeeze(1)
@@ -157,7 +143,7 @@ def guard_timestep_loss(
     sub: Trajectory,
     positions: Tensor,
     advantages: Tensor,
-    old_weights: EpochStartWeights | None = None,
+    old_weights: OldWeights | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One trained timestep of a micro-batch: the stored transitions at ``positions`` ([B] window positions) re-scored
     under the current weights, RatioNorm's ratio (``grpo.guard.ratio_norm``) against the old mean, the per-step weights
@@ -212,7 +198,7 @@ class Guard(Objective):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.old_weights: EpochStartWeights | None = None
+        self.old_weights: OldWeights | None = None
         self._epoch_params: list[torch.nn.Parameter] = []
 
     @property
@@ -251,7 +237,7 @@ class Guard(Objective):
         )
 
 
-def _snapshot(params: list[torch.nn.Parameter]) -> EpochStartWeights:
+def _snapshot(params: list[torch.nn.Parameter]) -> OldWeights:
     """The fallback's epoch-start weights; refused on FSDP shards, which the swap would break (the strategy should keep
     the means: ``RolloutStrategy.sampling_options``)."""
     from torch.distributed.tensor import DTensor  # FSDP2's shards (flowgrpo.parallel imports config: a circle)
@@ -262,4 +248,4 @@ def _snapshot(params: list[torch.nn.Parameter]) -> EpochStartWeights:
             "parameters: recomputing the old means swaps whole parameters, which shards are not; the rollout "
             "strategy must pass RolloutStrategy.sampling_options() (store_means) to its rollout function"
         )
-    return EpochStartWeights(params)
+    return OldWeights(params)

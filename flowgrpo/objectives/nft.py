@@ -19,7 +19,8 @@ With v_θ = v_old (the epoch's first step) the gradient is AWM's with clip(A, -c
 σ and ε are drawn as for AWM (:mod:`.forward`; ``grpo.nft.timesteps`` terms per sample at ``sigmoid(N(logit_mean,
 logit_std²))``, ``grpo.nft.time_shift``; ``grpo.nft.cfg``), and ``grpo.kl.beta`` adds β_KL · mean|v_θ - v_ref|² to
 the adapter-disabled model. The old velocity is one more forward without gradient, on the trainable weights as they
-were when the epoch's training began (:class:`OldWeights`; the paper's soft "old" update with decay 0). Deliberately
+were when the epoch's training began (:class:`OldWeights`; the paper's soft "old" update with decay 0); until the
+epoch's first optimizer step moves them it is the current velocity, detached, and that forward is skipped. Deliberately
 simpler than the paper's code: σ comes from the logit-normal above rather than from the sampler's schedule, and
 rollouts sample with the current weights (its decay > 0 samples with a slowly moving average).
 """
@@ -52,7 +53,9 @@ class NFTConfig(ForwardProcessConfig):
 
 
 class OldWeights:
-    """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it.
+    """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it, and
+    ``moved()`` says whether an optimizer step has changed the live weights since (until then the old forward is the
+    current one: the objectives skip it).
 
     The swap exchanges the parameters' storage (``p.data``: no copy, nothing written into the live storage) and
     restores it on exit. What it requires: a forward without gradient inside the block, and the block closed before
@@ -64,6 +67,12 @@ class OldWeights:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         self.saved = [p.detach().clone() for p in params]
+        self._moved = False
+
+    def moved(self) -> bool:
+        if not self._moved:  # weights never come back within an epoch: once moved, stays so
+            self._moved = any(not torch.equal(p.detach(), s) for p, s in zip(self.params, self.saved, strict=True))
+        return self._moved
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -129,14 +138,16 @@ def nft_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One loss term of a micro-batch: a fresh (σ, ε) per sample from the batch's generator (CPU), the old and
     (``kl_beta`` > 0) reference velocities without gradient, then the NFT loss plus ``kl_beta`` × the velocity KL
-    (scalar, to backward); logs ``loss``, ``policy_loss`` and ``kl``. ``old_weights=None``: the current weights are
-    the old ones."""
+    (scalar, to backward); logs ``loss``, ``policy_loss`` and ``kl``. ``old_weights=None``, or weights no optimizer
+    step has moved yet: the current velocity, detached, is the old one (one forward less)."""
     sub = batch.trajectory
     point = noised_point(adapter, settings, sub, batch.generator)
-    swap = old_weights.swapped_in() if old_weights is not None else contextlib.nullcontext()
-    with torch.no_grad(), adapter.without_ddp(), swap:  # no DDP: its forward's buffer broadcast is not needed
-        old = velocity(adapter, point, sub)
+    old = None
+    if old_weights is not None and old_weights.moved():  # before the epoch's first step the old forward is this one
+        with torch.no_grad(), adapter.without_ddp(), old_weights.swapped_in():  # no DDP: no buffer broadcast needed
+            old = velocity(adapter, point, sub)
     v = velocity(adapter, point, sub)
+    old = v.detach() if old is None else old
     kl = velocity_kl(adapter, kl_beta, point, sub, v)
 
     beta, clip = settings.beta, settings.adv_clip_max
