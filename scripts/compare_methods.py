@@ -30,6 +30,10 @@ seed's), colour+count pass@8, minutes on the budget's clock, epochs, images samp
 difference from the first preset is called within noise when it is smaller than twice its standard error,
 sqrt(s₁²/n₁ + s₂²/n₂).
 
+A preset may carry its own overrides, ``preset+key=value+key=value`` (a variant: its own row, label and run folder,
+e.g. ``shapes_fpo+grpo.fpo.weighting=elbo`` for an ablation), before the ones given to every run; ``@`` budgets
+follow them (``shapes_fpo+grpo.fpo.functional=reinforce@1,2``).
+
 scripts/compare_samplers.py runs the same protocol on samplers: its runs carry their own overrides and names
 (``Run.overrides``, ``Run.name``) through :func:`measure`, :func:`gain_cells` and :func:`write_curves`.
 """
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         "--presets",
         nargs="+",
         default=["shapes", "shapes_awm", "shapes_nft"],
-        help="configs/<name>.yaml or paths; name@1,2 gives that preset its own budgets instead of --budgets",
+        help="configs/<name>.yaml or paths; name+key=value+... a variant with its own overrides; name@1,2 gives "
+        "that preset its own budgets instead of --budgets",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=3.5, help="the budget unit: the main job's time")
@@ -100,25 +105,33 @@ def main(argv: list[str] | None = None) -> int:
     args.presets = list(budgets_of)
     args.budgets = sorted({b for bs in budgets_of.values() for b in bs})
 
-    configs = load_budgeted({preset: (preset, args.overrides) for preset in args.presets}, args)
+    variants = {spec: split_variant(spec) for spec in args.presets}
+    if any(v is None for v in variants.values()):
+        bad = next(spec for spec, v in variants.items() if v is None)
+        print(f"error: --presets {bad}: a variant is preset+key=value+key=value", file=sys.stderr)
+        return 2
+    configs = load_budgeted({spec: (p, [*own, *args.overrides]) for spec, (p, own) in variants.items()}, args)
     if configs is None:
         return 2
     work = Path(args.work)
     procs = f"-{args.processes}proc" if args.processes > 1 else ""
     runs = [
         Run(
-            p,
+            variants[spec][0],
             b,
             s,
-            work / f"{_stem(p)}-{args.minutes * b:g}min-{args.clock}{procs}" / f"seed{s}",
+            work / f"{_variant_label(*variants[spec])}-{args.minutes * b:g}min-{args.clock}{procs}" / f"seed{s}",
+            overrides=variants[spec][1],
+            name=_variant_label(*variants[spec]) if variants[spec][1] else "",
             processes=args.processes,
         )
         for b in args.budgets
-        for p in args.presets
-        if b in budgets_of[p]
+        for spec in args.presets
+        if b in budgets_of[spec]
         for s in args.seeds
     ]
-    return measure(runs, args, args.presets[0], lambda run: configs[run.preset], write_table)
+    by_label = {_variant_label(*variants[spec]): configs[spec] for spec in args.presets}
+    return measure(runs, args, variants[args.presets[0]][0], lambda run: by_label[run.label], write_table)
 
 
 def measure(runs: list[Run], args: argparse.Namespace, base_preset: str, config_of, write_page) -> int:
@@ -141,6 +154,19 @@ def measure(runs: list[Run], args: argparse.Namespace, base_preset: str, config_
 
 
 # ---------------------------------------------------------------------------- running
+def split_variant(spec: str) -> tuple[str, list[str]] | None:
+    """``preset+key=value+key=value`` -> (preset, [key=value, ...]); a plain preset has none; None when malformed."""
+    preset, *own = spec.split("+")
+    if not preset or any("=" not in item or item.startswith("=") for item in own):
+        return None
+    return preset, own
+
+
+def _variant_label(preset: str, own: list[str]) -> str:
+    """A run's row label and folder name: the preset's stem, then its own overrides (``shapes_fpo+key=value``)."""
+    return "+".join([_stem(preset), *own])
+
+
 def preset_budgets(items: list[str], budgets: list[float]) -> dict[str, list[float]]:
     """``{preset: its budgets}`` from ``--presets`` items: ``name`` takes ``budgets``, ``name@1,2`` its own."""
     out = {}
@@ -414,7 +440,7 @@ def write_table(
     """The markdown page: the table, the noise verdicts against the first preset, the curves."""
     groups: dict[tuple[str, float], list[Run]] = {}
     for run in runs:
-        groups.setdefault((run.preset, run.budget), []).append(run)
+        groups.setdefault((run.label, run.budget), []).append(run)
     base_cc = [100 * base[s][COLOR_COUNT] for s in args.seeds]
     command = " ".join(["python scripts/compare_methods.py", *sys.argv[1:]]) if argv_shown is None else argv_shown
     evaluated = int(base[args.seeds[0]].get("images", 0))
@@ -435,15 +461,15 @@ def write_table(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     gains: dict[tuple[str, float], list[float]] = {}
-    for (preset, budget), group in groups.items():
-        gains[preset, budget], cells = gain_cells(group, base, args)
-        lines.append(f"| `{_stem(preset)}` | ×{budget:g} {cells}")
+    for (label, budget), group in groups.items():
+        gains[label, budget], cells = gain_cells(group, base, args)
+        lines.append(f"| `{label}` | ×{budget:g} {cells}")
     lines += ["", "Against the first preset at the same budget (difference of mean colour+count gains):", ""]
-    first = args.presets[0]
-    for (preset, budget), cc in gains.items():
-        if preset == first or (first, budget) not in gains:
+    first = runs[0].label if runs else ""
+    for (label, budget), cc in gains.items():
+        if label == first or (first, budget) not in gains:
             continue
-        lines.append(f"- `{_stem(preset)}` ×{budget:g}: {noise_verdict(cc, gains[first, budget])}")
+        lines.append(f"- `{label}` ×{budget:g}: {noise_verdict(cc, gains[first, budget])}")
     lines += [
         "",
         f"![training reward against minutes: seed mean, smoothed over 5 epochs, seed range shaded]({plot})",

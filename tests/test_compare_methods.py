@@ -132,6 +132,33 @@ def test_two_processes_launch_each_run_under_ddp_in_its_own_folder(fake_training
     assert "trained on one thread" in (tmp_path / "m.md").read_text()
 
 
+def test_a_variant_carries_its_own_overrides_row_and_folder(fake_training, tmp_path, capsys):
+    """``preset+key=value+...``: its overrides come before the ones given to every run, in its own folder and row;
+    the plain preset beside it runs without them, and both are measured against one base evaluation."""
+    assert cm.split_variant("shapes_fpo+grpo.fpo.weighting=elbo+train.lr=1e-3") == (
+        "shapes_fpo",
+        ["grpo.fpo.weighting=elbo", "train.lr=1e-3"],
+    )
+    assert cm.split_variant("shapes") == ("shapes", [])
+    assert cm.split_variant("shapes+lr") is None and cm.split_variant("+a=1") is None
+    work, out = tmp_path / "work", tmp_path / "m.md"
+    variant = "shapes_fpo+grpo.fpo.weighting=elbo"
+    argv = ["--presets", "shapes_fpo", f"{variant}@1,2", "--seeds", "0", "--minutes", "0.5", "--jobs", "1"]
+    argv += ["--clock", "wall", "--eval-samples", "1", "--work", str(work), "--out", str(out), "train.lr=1e-4"]
+    assert cm.main(argv) == 0
+    assert len(fake_training) == 3  # the preset at ×1, the variant at ×1 and ×2
+    own = [c for c, _ in fake_training if "grpo.fpo.weighting=elbo" in c]
+    assert len(own) == 2 and all(c.index("grpo.fpo.weighting=elbo") < c.index("train.lr=1e-4") for c in own)
+    assert all(Path(c[c.index("--config") + 1]).name == "shapes_fpo.yaml" for c, _ in fake_training)
+    assert (work / f"{variant}-0.5min-wall" / "seed0" / "train.log").is_file()
+    assert (work / f"{variant}-1min-wall" / "seed0" / "train.log").is_file()
+    page = out.read_text()
+    assert f"| `{variant}` | ×1 |" in page and f"| `{variant}` | ×2 |" in page and "| `shapes_fpo` | ×1 |" in page
+    assert f"- `{variant}` ×1: " in page  # against the plain preset, the first
+    assert cm.main(["--presets", "shapes+lr", "--work", str(work), "--out", str(out)]) == 2
+    assert "a variant is preset+key=value" in capsys.readouterr().err
+
+
 def test_several_processes_are_refused_on_the_cpu_clock_and_on_shared_cores(
     fake_training, monkeypatch, tmp_path, capsys
 ):
