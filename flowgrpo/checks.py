@@ -1,4 +1,4 @@
-"""Config checks every module may use: the error type and the choice / range / frame-count checks.
+"""Config checks every module may use: the error type, the choice / range / frame-count checks, image sizes.
 
 A leaf module (it imports nothing of flowgrpo), so objectives, advantage estimators and adapters validate their own
 settings without importing :mod:`flowgrpo.config`, which imports their registries.
@@ -50,6 +50,14 @@ def check_true_cfg(scale: float, negative_prompt: str) -> None:
             f"model.true_cfg_scale={scale} guides away from a negative prompt, but model.negative_prompt is empty: "
             'set model.negative_prompt (e.g. " ", or "blurry, low quality"), or model.true_cfg_scale: 1'
         )
+
+
+def height_width(size: int | tuple[int, int]) -> tuple[int, int]:
+    """An image size as ``(height, width)``: a pair as it is (``ModelConfig.size``), one int as a square."""
+    if isinstance(size, int):
+        return size, size
+    height, width = size
+    return int(height), int(width)
 
 
 def one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:

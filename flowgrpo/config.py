@@ -83,7 +83,9 @@ class ModelConfig:
     # flux-kontext and qwenimage-edit edit images (prompt files with an "image" per row), wan makes video
     dtype: str = "fp32"  # weights: bf16 | fp16 | fp32 (sampler maths always fp32; LoRA weights fp32)
     vae_fp32: bool = False  # keep the VAE in float32 whatever model.dtype (fp16 VAEs can overflow)
-    resolution: int = 512  # square images, pixels
+    resolution: int = 512  # square images, pixels: height = width = resolution (unless model.height / width are set)
+    height: int | None = None  # non-square images, pixels (with model.width: both or neither; they replace
+    width: int | None = None  # model.resolution), e.g. Flow-GRPO's Wan 240 × 416. null: model.resolution
     lora: LoraSettings = field(default_factory=LoraSettings)
     attention: str = "sdpa"  # sdpa | xformers (CUDA only)
     gradient_checkpointing: bool = False
@@ -105,6 +107,22 @@ class ModelConfig:
     source_area: int = 1024 * 1024  # qwenimage-edit only: the source image is sized to about this many pixels at its
     #                                 aspect ratio, calculate_dimensions(source_area, W / H), for the Qwen2.5-VL and
     #                                 the VAE alike: QwenImageEditPipeline's 1024² (as Flow-GRPO). Tiny models: 1024
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(height, width)`` of the generated images in pixels, height first as ``pipe(height=, width=)``:
+        ``model.height`` / ``model.width`` when set, else ``model.resolution`` twice."""
+        if self.height is None or self.width is None:
+            return self.resolution, self.resolution
+        return self.height, self.width
+
+    @property
+    def size_keys(self) -> str:
+        """The keys that set :attr:`size` and their values, for messages: ``model.height=240, model.width=416``, or
+        ``model.resolution=512``."""
+        if self.height is None or self.width is None:
+            return f"model.resolution={self.resolution}"
+        return f"model.height={self.height}, model.width={self.width}"
 
 
 @dataclass
@@ -689,8 +707,29 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
             f"{t.inner_epochs}), or the last optimizer step of an epoch would be incomplete"
         )
     objective.validate_updates(config, optimizer_steps_per_epoch(config, world_size))
-    if config.model.resolution % 16:
-        raise ConfigError(f"model.resolution must be a multiple of 16, got {config.model.resolution}")
+    check_size(config.model)
+
+
+def check_size(model: ModelConfig) -> None:
+    """``model.height`` / ``model.width``: both or neither; the sides in use (those two, else ``model.resolution``)
+    positive multiples of 16, the VAE factor × patch size of every supported model (SD3, FLUX, Qwen-Image: 8 × 2; Wan:
+    16). The family's own multiple (``PipelineAdapter.size_multiple``) is checked when the model loads."""
+    if (model.height is None) != (model.width is None):
+        given, missing = ("model.height", "model.width") if model.width is None else ("model.width", "model.height")
+        raise ConfigError(
+            f"{given}={model.height if model.width is None else model.width} without {missing}: non-square images "
+            f"need both; set {missing} too (e.g. model.height: 240 and model.width: 416), or neither "
+            "(model.resolution: N for N × N images)"
+        )
+    sides = (
+        {"model.resolution": model.resolution}
+        if model.height is None
+        else {"model.height": model.height, "model.width": model.width}
+    )
+    for key, value in sides.items():
+        check_range(key, value, 1)
+        if value % 16:
+            raise ConfigError(f"{key} must be a multiple of 16, got {value}; try {max(16, value // 16 * 16)}")
 
 
 def _check_family_options(config: Config) -> None:

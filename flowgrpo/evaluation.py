@@ -19,6 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .adapters import PipelineAdapter
+from .checks import height_width
 from .config import EvalConfig, SamplerConfig, WindowConfig
 from .data import PromptDataset
 from .plain import PlainPipeline, check_plain_dataset
@@ -42,7 +43,7 @@ def evaluate_shard(
     reward: Any,
     eval_config: EvalConfig,
     *,
-    resolution: int,
+    resolution: int | tuple[int, int],
     seed: int = 0,
     progress: bool = False,
     shard: tuple[int, int] = (0, 1),
@@ -50,7 +51,8 @@ def evaluate_shard(
     image_prompts: int | None = None,
 ) -> tuple[list[int], Tensor, dict[str, Tensor]]:
     """ODE samples and scores of this shard's images (every ``world``-th from ``rank``): (prompt indices, images,
-    scores). ``eval.samples_per_prompt`` k: each prompt's k images are consecutive (its index repeats k times).
+    scores). ``resolution``: the images' ``(height, width)`` (``model.size``), or one int for a square.
+    ``eval.samples_per_prompt`` k: each prompt's k images are consecutive (its index repeats k times).
     ``adapter`` may be a :class:`~flowgrpo.plain.PlainPipeline`: an exported LoRA sampled by ``pipe(...)`` in plain
     diffusers from the same noise (text-to-image: prompts with source images are refused).
 
@@ -68,14 +70,15 @@ def evaluate_shard(
     items = [(i, j) for i in range(count) for j in range(per_prompt)][rank::world]
     indices = [i for i, _ in items]
     sampler = ode_sampler(eval_config)
+    size = height_width(resolution)
     images, scores = [], defaultdict(list)
     generator = torch.Generator()
 
     def noise(i: int, j: int) -> Tensor:
         generator.manual_seed(seed * 1_000_003 + i)
         for _ in range(j):
-            adapter.initial_noise(1, resolution, resolution, generator=generator)
-        return adapter.initial_noise(1, resolution, resolution, generator=generator)
+            adapter.initial_noise(1, *size, generator=generator)
+        return adapter.initial_noise(1, *size, generator=generator)
 
     batches = [items[i : i + eval_config.batch_size] for i in range(0, len(items), eval_config.batch_size)]
     for batch_items in tqdm(batches, desc="evaluating", disable=not progress, leave=False):
@@ -83,16 +86,16 @@ def evaluate_shard(
         batch = [i for i, _ in batch_items]
         texts = [dataset.prompts[i] for i in batch]
         meta = [dict(dataset.metadata[i]) for i in batch]
-        batch_images, sources = _sample(adapter, dataset, batch, latents, sampler, resolution, metadata=meta)
+        batch_images, sources = _sample(adapter, dataset, batch, latents, sampler, size, metadata=meta)
         for k, v in reward(batch_images, texts, meta, **sources).items():
             scores[k].append(v.float().cpu())
         kept = len(batch) if image_prompts is None else sum(i < image_prompts for i in batch)  # prompts ascend
         images.append(batch_images[:kept].cpu())
     largest = math.ceil(math.ceil(count * per_prompt / world) / eval_config.batch_size)
     for _ in range(len(batches), largest if equal_batches and count else 0):
-        padding = adapter.initial_noise(1, resolution, resolution, generator=generator.manual_seed(seed))
-        _sample(adapter, dataset, [0], padding, sampler, resolution)
-    empty = torch.zeros(0, 3, resolution, resolution)
+        padding = adapter.initial_noise(1, *size, generator=generator.manual_seed(seed))
+        _sample(adapter, dataset, [0], padding, sampler, size)
+    empty = torch.zeros(0, 3, *size)
     return indices, torch.cat(images) if images else empty, {k: torch.cat(v) for k, v in scores.items()}
 
 
@@ -102,17 +105,16 @@ def _sample(
     batch: list[int],
     latents: Tensor,
     sampler: SamplerConfig,
-    resolution: int,
+    size: tuple[int, int],
     metadata: list[dict[str, Any]] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The images of prompts ``batch`` from ``latents``, and the reward's extra inputs (image editing: the sources):
-    the ODE rollout, or ``pipe(...)`` for a :class:`PlainPipeline`."""
+    """The images of prompts ``batch`` from ``latents`` at ``size`` = (height, width), and the reward's extra inputs
+    (image editing: the sources): the ODE rollout, or ``pipe(...)`` for a :class:`PlainPipeline`."""
     texts = [dataset.prompts[i] for i in batch]
+    height, width = size
     if isinstance(adapter, PlainPipeline):
         steps, scale = sampler.num_steps, sampler.guidance_scale
-        images = adapter.images(
-            texts, latents, height=resolution, width=resolution, num_steps=steps, guidance_scale=scale
-        )
+        images = adapter.images(texts, latents, height=height, width=width, num_steps=steps, guidance_scale=scale)
         return images, {}
     traj = rollout(
         adapter,
@@ -120,8 +122,8 @@ def _sample(
         list(batch),
         sampler,
         range(0, 0),
-        height=resolution,
-        width=resolution,
+        height=height,
+        width=width,
         initial_latents=latents,
         metadata=metadata,
         sources=dataset.sources_of(batch),

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checks import ConfigError
+from .checks import ConfigError, height_width
 
 if TYPE_CHECKING:
     from .config import Config
@@ -87,24 +87,25 @@ class MemoryEstimate:
         return sum(self.host.values())
 
 
-def geometry(adapter: Any, resolution: int) -> Geometry:
-    """The latent and pixel size of one sample at ``resolution`` (square), from the adapter's latent shape at its
-    smallest size (``size_multiple``) scaled by area: nothing of the configured size is built."""
+def geometry(adapter: Any, size: int | tuple[int, int]) -> Geometry:
+    """The latent and pixel size of one sample of ``size`` pixels, ``(height, width)`` (an int: square), from the
+    adapter's latent shape at its smallest size (``size_multiple``) scaled by area: nothing of the configured size
+    is built."""
+    height, width = height_width(size)
     m = int(adapter.size_multiple)
     small = tuple(int(d) for d in adapter.latent_shape(m, m))
-    scale = resolution / m
-    elements = math.prod(small) * resolution * resolution // (m * m)
+    elements = math.prod(small) * height * width // (m * m)
     # The dimensions that grow with the image: the last two of (C, [F',] h, w); FLUX / Qwen-Image: the tokens.
     grown = list(small)
     if len(small) >= 3:
-        grown[-2:] = [int(d * scale) for d in small[-2:]]
+        grown[-2:] = [small[-2] * height // m, small[-1] * width // m]
     else:
-        grown[0] = int(small[0] * scale * scale)
+        grown[0] = small[0] * height * width // (m * m)
     frames = int(getattr(adapter, "num_frames", 1) or 1)
     return Geometry(
         latent_elements=elements,
         latent_shape="×".join(str(d) for d in grown),
-        pixels=3 * frames * resolution * resolution,
+        pixels=3 * frames * height * width,
         latent_bytes=torch.empty(0, dtype=adapter.latent_dtype).element_size(),
     )
 
@@ -197,11 +198,10 @@ def check_memory(
     available: tuple[int | None, int | None] | None = None,
 ) -> MemoryEstimate:
     """Refuse a config whose latents and rollout buffers cannot fit (module docstring): a :class:`ConfigError`
-    naming model.resolution and the sampler / grpo keys that size them, the estimate, what is available, and the
-    largest resolution that would fit. ``available``: (device, host) bytes instead of measuring them (tests).
-    Returns the estimate."""
-    resolution = config.model.resolution
-    shape = geometry(adapter, resolution)
+    naming the size keys set (model.resolution, or model.height / model.width) and the sampler / grpo keys that size
+    them, the estimate, what is available, and the largest size of the same aspect ratio that would fit.
+    ``available``: (device, host) bytes instead of measuring them (tests). Returns the estimate."""
+    shape = geometry(adapter, config.model.size)
     found = estimate(
         config, shape, world_size=world_size, stores_transitions=stores_transitions, stores_means=stores_means
     )
@@ -242,13 +242,17 @@ def _message(
     frames = f" with model.num_frames={m.num_frames}" if m.num_frames else ""
     listed = ", ".join(f"{name} {_size(v)}" for name, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
     shared = f" for each of the {local} processes on this machine" if local > 1 else " per process"
-    # Every buffer grows with the image's area: the largest resolution whose buffers fit, on the size grid.
+    # Every buffer grows with the image's area: the largest size of the same aspect ratio whose buffers fit, each
+    # side on the size grid.
     multiple = int(adapter.size_multiple)
-    fits = int(m.resolution * math.sqrt(free / needed)) // multiple * multiple
+    shrink = math.sqrt(free / needed)
+    fits = [int(side * shrink) // multiple * multiple for side in m.size]
+    keys = "model.resolution" if m.height is None else "model.height and model.width"
+    fitting = f"{fits[0]}, a multiple" if m.height is None else f"{fits[0]} × {fits[1]}, multiples"
     lower = (
-        f"lower model.resolution (these buffers fit up to about {fits}, a multiple of {multiple})"
-        if fits >= multiple
-        else "lower model.resolution"
+        f"lower {keys} (these buffers fit up to about {fitting} of {multiple})"
+        if min(fits) >= multiple
+        else f"lower {keys}"
     )
     steps_hint = (
         f"the stored steps (sampler.window.size={s.window.size}, sampler.num_steps={s.num_steps}: "
@@ -262,7 +266,7 @@ def _message(
             "sampler.tree.prune_steps drops some)"
         )
     return (
-        f"model.resolution={m.resolution}{frames} needs at least {_size(needed)} of {where} for its latents and "
+        f"{m.size_keys}{frames} needs at least {_size(needed)} of {where} for its latents and "
         f"rollout buffers{shared} ({listed}; each sample's latents are {shape.latent_shape} "
         f"= {shape.latent_elements:,} values), but {_size(free)} is available, so the run would fail or swap "
         f"after starting. {lower.capitalize()}, or keep fewer samples and steps per process: "

@@ -10,7 +10,7 @@ A store is a directory of two files, no pickle anywhere:
     group's row of the prompt file) and ``reward/<key>`` [G·k] float32 (each reward the config names, and
     ``total``, their weighted sum, exactly as the reward returned them).
 ``store.json``
-    what made it: the prompts of the groups, the prompt file's sha256, the model (pretrained, resolution, family,
+    what made it: the prompts of the groups, the prompt file's sha256, the model (pretrained, height and width, family,
     latent shape and dtype), the rewards' config and keys, the seed, the whole config, the time spent sampling and
     scoring (the one-time cost), and the sha256 of ``samples.safetensors``. Written last: a store without it is
     unfinished.
@@ -23,7 +23,7 @@ store is a function of the config alone, whatever weights the run holds), in rol
 ``sampler.batch_size`` whose initial noise is a function of (``run.seed``, batch index). :func:`check_store` refuses,
 as a :class:`~flowgrpo.checks.ConfigError` naming ``sampler.offline.path`` and the fix, a store that is missing,
 unfinished, corrupt (a header that does not match; with ``verify``, the sha256 of ``samples.safetensors``), was made
-for another model, resolution, group size, reward or prompt file, or holds non-finite rewards under
+for another model, image size, group size, reward or prompt file, or holds non-finite rewards under
 ``grpo.nan_policy: error``. Without ``verify`` it reads only the two headers and the small tensors (what config
 validation runs); the hash reads the whole file, once, when the run opens the store. :func:`served_groups` is the
 order the groups are trained in.
@@ -160,6 +160,7 @@ def build_store(
     from .rollout import rollout
 
     g, s, m = config.grpo, config.sampler, config.model
+    height, width = m.size
     groups, k = store_groups(config, len(data)), g.group_size
     prompt_of_group = store_prompts(len(data), groups, config.run.seed)
     rows = [(group, prompt_of_group[group]) for group in range(groups) for _ in range(k)]  # group-major
@@ -182,8 +183,8 @@ def build_store(
                 s,
                 range(0, 0),  # no SDE window: the plain ODE (a forward-process objective needs noise_level 0)
                 generator,
-                height=m.resolution,
-                width=m.resolution,
+                height=height,
+                width=width,
                 metadata=metadata,
                 noise_seed=config.run.seed,
                 sources=sources,
@@ -213,7 +214,8 @@ def build_store(
         "data_train_sha256": file_sha256(Path(config.data.train)),
         "model": {
             "pretrained": m.pretrained,
-            "resolution": m.resolution,
+            "height": height,
+            "width": width,
             "num_frames": m.num_frames,
             "family": adapter.family,
             "latent_shape": list(final.shape[1:]),
@@ -322,20 +324,29 @@ def _stored_prompt_indices(
 
 def check_store(config: Config, path: Path, key: str = KEY, *, verify: bool = False) -> StoreInfo:
     """The store at ``path``, refused (a :class:`ConfigError` naming the key and the fix) unless it was made for this
-    config's model and resolution, group size, rewards and prompt file, holds at least an epoch's groups, and, under
-    ``grpo.nan_policy: error``, only finite rewards. ``verify``: check the sha256 of its samples too (reads the whole
-    file: once per run, when it opens the store; config validation reads the headers only)."""
+    config's model and image size (``model.size``), group size, rewards and prompt file, holds at least an epoch's
+    groups, and, under ``grpo.nan_policy: error``, only finite rewards. ``verify``: check the sha256 of its samples too
+    (reads the whole file: once per run, when it opens the store; config validation reads the headers only)."""
     info = read_info(path, key, verify=verify)
     raw, m = info.raw, config.model
     where, fix = f"{key}={path}", _resample()
     made = raw["model"]
-    for name, ours in (("pretrained", m.pretrained), ("resolution", m.resolution), ("num_frames", m.num_frames)):
+    for name, ours in (("pretrained", m.pretrained), ("num_frames", m.num_frames)):
         if made[name] != ours:
             raise ConfigError(
                 f"{where} was sampled with model.{name}={made[name]} (latents {list(info.latent_shape)}), but this "
                 f"config has model.{name}={ours}; set model.{name}: {made[name]}, or sample a store for this model: "
                 f"{fix}"
             )
+    height, width = made.get("height", made.get("resolution")), made.get("width", made.get("resolution"))
+    if (height, width) != m.size:  # (stores written before model.height / width record "resolution" alone)
+        square = height == width and m.height is None  # name the keys this config sizes its images with
+        stored = f"model.resolution={height}" if height == width else f"model.height={height}, model.width={width}"
+        wanted = f"model.resolution: {height}" if square else f"model.height: {height} and model.width: {width}"
+        raise ConfigError(
+            f"{where} was sampled with {stored} (latents {list(info.latent_shape)}), but this config has "
+            f"{m.size_keys}; set {wanted}, or sample a store for this model: {fix}"
+        )
     if info.group_size != config.grpo.group_size:
         raise ConfigError(
             f"{where} holds groups of {info.group_size} images, but grpo.group_size={config.grpo.group_size}; set "

@@ -510,7 +510,7 @@ class GRPOTrainer:
                 self.test_data,
                 self.reward,
                 cfg.eval,
-                resolution=cfg.model.resolution,
+                resolution=cfg.model.size,
                 seed=cfg.run.seed,
                 progress=self._bars,
                 shard=(self.rank, acc.num_processes),

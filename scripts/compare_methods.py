@@ -372,7 +372,7 @@ def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]
     else:
         adapter = adapter_from_checkpoint(config, checkpoint, device="cpu")
     summary, _, prompts, _ = evaluate(
-        adapter, dataset, reward, config.eval, resolution=config.model.resolution, seed=config.run.seed
+        adapter, dataset, reward, config.eval, resolution=config.model.size, seed=config.run.seed
     )
     return {**summary, "images": float(len(prompts))}  # one prompt per evaluated image
 

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             dataset,
             reward,
             config.eval,
-            resolution=config.model.resolution,
+            resolution=config.model.size,
             seed=config.run.seed,
             progress=True,
             image_prompts=grid_prompts(config.eval.samples_per_prompt),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..checks import ConfigError
 from .base import PipelineAdapter, PromptEmbeds, unwrap
 from .flux import FluxAdapter
 from .kontext import FluxKontextAdapter
@@ -59,7 +60,10 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
         if getattr(model, option) != getattr(defaults, option):
             options[option] = getattr(model, option)
     adapter = make_adapter(pipe, negative_prompt=model.negative_prompt, **options)
-    adapter.check_size(model.resolution, model.resolution)
+    try:
+        adapter.check_size(*model.size)  # (height, width)
+    except ValueError as err:  # the family's own multiple (16 is checked with the config): name the keys set
+        raise ConfigError(f"{model.size_keys}: {err}") from None
     adapter.set_attention_backend(model.attention)
     lora = model.lora
     adapter.add_lora(lora.rank, lora.alpha, lora.target_modules, lora.init, lora.dropout)

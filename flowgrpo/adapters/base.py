@@ -280,8 +280,8 @@ class PipelineAdapter:
 
     def _prepare_source(self, image: Any, height: int, width: int) -> Tensor:
         """An RGB PIL source image as the model takes it: ``[1, 3, h, w]`` in [-1, 1]. Default: resized to the
-        generated size, bicubic (Flow-GRPO's ``ref_image.resize((resolution, resolution))``), then the pipeline's own
-        image processor (scaling to [-1, 1])."""
+        generated size, ``width`` x ``height`` as PIL orders it, bicubic (Flow-GRPO's ``ref_image.resize((resolution,
+        resolution))`` at its square sizes), then the pipeline's own image processor (scaling to [-1, 1])."""
         if image.size != (width, height):
             image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
         return self.pipe.image_processor.preprocess(image, height, width)

@@ -7,10 +7,10 @@ step, and the transformer's output is cut back to the generated tokens. The sche
 from the generated image's token count only (the source tokens do not count), and guidance goes through the
 guidance embedding (no CFG).
 
-The source is resized to the generated size, bicubic (Flow-GRPO's ``train_flux_kontext.py`` resizes every reference
-image to ``config.resolution``; :meth:`PipelineAdapter._prepare_source`); a rollout then equals ``pipe(image=<that
-image>, height=H, width=W, max_area=H * W, _auto_resize=False)``. Without sources it is text-to-image, as
-``pipe(image=None)``.
+The source is resized to the generated size, H x W (``model.size``), bicubic (Flow-GRPO's ``train_flux_kontext.py``
+resizes every reference image to its square ``config.resolution``; :meth:`PipelineAdapter._prepare_source`); a rollout
+then equals ``pipe(image=<that image>, height=H, width=W, max_area=H * W, _auto_resize=False)``. Without sources it is
+text-to-image, as ``pipe(image=None)``.
 """
 
 from __future__ import annotations

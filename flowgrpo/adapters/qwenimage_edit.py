@@ -12,9 +12,9 @@ true CFG with the negative prompt (read with the same source image) and the norm
 Source size. As ``pipe()`` (and Flow-GRPO's current ``pipeline_with_logprob`` / ``compute_log_prob``), the source
 is sized to ``calculate_dimensions(1024², aspect ratio)`` (multiples of 32) whatever the output size, and the text
 encoder reads it at that same size (this pipeline has one source size; Edit-Plus has two). Flow-GRPO's
-``train_qwenimage_edit.py`` first resizes every source to the training resolution (``ref_image.resize``, bicubic), so
-the ratio is the output's and every source of a batch has the same size; this adapter does the same
-(:meth:`source_size`). A rollout then equals ``pipe(image=<the source resized to W x H>, height=H, width=W)``.
+``train_qwenimage_edit.py`` first resizes every source to the training size (``ref_image.resize``, bicubic; here
+H x W, ``model.size``), so the ratio is the output's and every source of a batch has the same size; this adapter does
+the same (:meth:`source_size`). A rollout then equals ``pipe(image=<the source resized to W x H>, height=H, width=W)``.
 ``source_area`` (``model.source_area``) replaces 1024²: for tiny test models only, whose ``pipe()`` is matched by
 swapping the area in ``calculate_dimensions`` (tests/test_qwenimage_edit.py).
 

@@ -133,15 +133,16 @@ class RolloutStrategy:
         return [data.prompts[i] for i in indices], [dict(data.metadata[i]) for i in indices], data.sources_of(indices)
 
     def sampling_options(self, metadata: list[dict[str, Any]], sources: list[Any] | None) -> dict[str, Any]:
-        """The keyword arguments every rollout function takes from the run's settings (the model's resolution,
+        """The keyword arguments every rollout function takes from the run's settings (the image size, ``model.size``,
         ``grpo.log_prob_reduce``, ``run.seed`` for the noise), from the objective (``store_means``: whether it needs
         each stored transition's sampling mean, :attr:`~flowgrpo.objectives.Objective.needs_sampling_means`) and from
         the batch (its metadata and source images)."""
         cfg = self.context.config
+        height, width = cfg.model.size
         return {
             "store_means": self.context.objective.needs_sampling_means,
-            "height": cfg.model.resolution,
-            "width": cfg.model.resolution,
+            "height": height,
+            "width": width,
             "log_prob_reduce": cfg.grpo.log_prob_reduce,
             "noise_seed": cfg.run.seed,
             "metadata": metadata,

@@ -202,7 +202,7 @@ class Dense(Chain):
         ctx, cfg = self.context, self.context.config
         recorder = StageValues(window) if self.settings.value == "x0" else None
         trajectory = super().sample_batch(prompts, group_ids, metadata, sources, window, observe=recorder)
-        h = w = cfg.model.resolution
+        h, w = cfg.model.size
         if recorder is not None:
             stages = [score_total(ctx.score, ctx.adapter.decode(x0, h, w), trajectory) for x0 in recorder.stages()]
             self.counts["decodes"] += len(stages)

@@ -166,8 +166,7 @@ class EntropyMerge(Branch):
     def __init__(self, context: RolloutContext) -> None:
         super().__init__(context)
         cfg = context.config
-        size = cfg.model.resolution
-        sigmas, _ = context.adapter.schedule(cfg.sampler.num_steps, size, size, time_shift=cfg.sampler.time_shift)
+        sigmas, _ = context.adapter.schedule(cfg.sampler.num_steps, *cfg.model.size, time_shift=cfg.sampler.time_shift)
         self.merges = resolve_plan(cfg, sigmas.detach().float().cpu())
 
     def plan(self, group_ids: list[int]) -> tuple[list[int], list[int]]:

@@ -130,11 +130,11 @@ class Offline(RolloutStrategy):
 
     def _open(self, info: StoreInfo) -> None:
         cfg = self.context.config
-        expected = tuple(self.context.adapter.latent_shape(cfg.model.resolution, cfg.model.resolution))
+        expected = tuple(self.context.adapter.latent_shape(*cfg.model.size))
         if info.latent_shape != expected:
             raise ConfigError(
                 f"sampler.offline.path={info.path} holds latents of shape {list(info.latent_shape)}, and this model "
-                f"makes {list(expected)} at model.resolution={cfg.model.resolution}; sample a store for this model "
+                f"makes {list(expected)} at {cfg.model.size_keys}; sample a store for this model "
                 "(python scripts/sample_offline.py --config <your config> --out NEW_DIR)"
             )
         self.info, self.rewards = info, load_rewards(info)
@@ -192,7 +192,8 @@ class Offline(RolloutStrategy):
         """The served rows as a trajectory without window steps: prompts encoded afresh in rollout batches of
         ``sampler.batch_size``, images decoded only for an image grid on the process that draws it."""
         ctx, cfg = self.context, self.context.config
-        adapter, data, res, size = ctx.adapter, ctx.data, cfg.model.resolution, cfg.sampler.batch_size
+        adapter, data, size = ctx.adapter, ctx.data, cfg.sampler.batch_size
+        height, width = cfg.model.size
         prompts = [data.prompts[i] for i in indices]
         negative = adapter.needs_negative(guidance)
         embeds = PromptEmbeds.cat(
@@ -201,8 +202,8 @@ class Offline(RolloutStrategy):
                     prompts[i : i + size],
                     with_negative=negative,
                     sources=data.sources_of(indices[i : i + size]),
-                    height=res,
-                    width=res,
+                    height=height,
+                    width=width,
                 )
                 for i in range(0, len(prompts), size)
             ]
@@ -212,9 +213,9 @@ class Offline(RolloutStrategy):
         grid = every and epoch % every == 0 and ctx.rank == 0
         if grid or cfg.grpo.advantage.diversity.enabled:  # GARDO's diversity shaping reads every process's images
             images = torch.cat(
-                [adapter.decode(latents[i : i + size], res, res).cpu() for i in range(0, len(rows), size)]
+                [adapter.decode(latents[i : i + size], height, width).cpu() for i in range(0, len(rows), size)]
             )
-        sigmas, _ = adapter.schedule(cfg.sampler.num_steps, res, res, time_shift=cfg.sampler.time_shift)
+        sigmas, _ = adapter.schedule(cfg.sampler.num_steps, height, width, time_shift=cfg.sampler.time_shift)
         n, empty = len(rows), latents.new_zeros((len(rows), 0, *latents.shape[1:]))
         no_steps = torch.zeros(n, 0)
         metadata: list[dict[str, Any]] = [dict(data.metadata[i]) for i in indices]
@@ -231,8 +232,8 @@ class Offline(RolloutStrategy):
             step_indices=torch.zeros(n, 0, dtype=torch.long),
             t_second=plan_rollout(cfg.sampler, range(0, 0), sigmas).t_second,
             guidance_scale=guidance,
-            height=res,
-            width=res,
+            height=height,
+            width=width,
             final_latents=latents,
             images=images,
             metadata=metadata,
