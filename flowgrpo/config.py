@@ -107,6 +107,11 @@ class ModelConfig:
     source_area: int = 1024 * 1024  # qwenimage-edit only: the source image is sized to about this many pixels at its
     #                                 aspect ratio, calculate_dimensions(source_area, W / H), for the Qwen2.5-VL and
     #                                 the VAE alike: QwenImageEditPipeline's 1024² (as Flow-GRPO). Tiny models: 1024
+    guidance_scale_2: float | None = None  # wan / wan-i2v with Wan2.2's two experts only: the CFG scale of the
+    #                                        low-noise expert's steps (transformer_2), pipe(guidance_scale_2=...);
+    #                                        null: the sampler's / evaluation's guidance_scale, as pipe()
+    lora_experts: str = "both"  # wan / wan-i2v with Wan2.2's two experts only: both | high_noise (transformer) |
+    #                             low_noise (transformer_2) get LoRA; the other's steps then train nothing
 
     @property
     def size(self) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .adapters import PipelineAdapter, build_adapter, family
+from .adapters import PipelineAdapter, build_adapter, family, family_options, unwrap
 from .checkpoint import (
     CheckpointError,
     Shapes,
@@ -93,15 +93,16 @@ def expected_lora_shapes(config: Config) -> Shapes:
     kind = model_kind(config)
     source = config.model.pretrained
     tiny = source in tiny_sources()
+    adapter = family(kind).adapter
     if tiny:  # built in code, and small
         from .tiny import build_tiny_pipeline
 
-        transformer = build_tiny_pipeline(kind).transformer
+        components = build_tiny_pipeline(kind).components
     with init_empty_weights():  # parameters on the meta device: shapes without memory
         if not tiny:
-            transformer = _empty_transformer(resolve_source(source), kind)
+            components = _empty_components(resolve_source(source), kind)
+        transformer = adapter.lora_model(components, **family_options(config.model))  # Wan2.2: both experts
         lora = config.model.lora
-        adapter = family(kind).adapter
         targets = adapter.default_lora_targets if lora.target_modules == "default" else lora.target_modules
         try:
             exclude = adapter.lora_exclude(transformer) or None  # as PipelineAdapter.add_lora
@@ -114,13 +115,23 @@ def expected_lora_shapes(config: Config) -> Shapes:
     return model_lora_shapes(transformer)
 
 
-def _empty_transformer(source: str, kind: str) -> Any:
+def _empty_transformer(source: str, kind: str, subfolder: str = "transformer") -> Any:
     """The transformer of a local directory or hub id, built from its config (call under ``init_empty_weights``)."""
     cls = family(kind).transformer_class
     try:
-        return cls.from_config(cls.load_config(source, subfolder="transformer"))
+        return cls.from_config(cls.load_config(source, subfolder=subfolder))
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"model.pretrained={source!r}: cannot read its transformer/config.json ({err})") from None
+        raise CheckpointError(f"model.pretrained={source!r}: cannot read its {subfolder}/config.json ({err})") from None
+
+
+def _empty_components(source: str, kind: str) -> dict[str, Any]:
+    """The family's ``lora_components`` the model has (its ``model_index.json`` names them), built from their configs
+    (call under ``init_empty_weights``): ``{"transformer": ...}``, Wan2.2 also ``transformer_2``."""
+    from .pipelines import read_model_index
+
+    index = read_model_index(source)
+    names = [n for n in family(kind).adapter.lora_components if n == "transformer" or index.get(n, [None])[0]]
+    return {name: _empty_transformer(source, kind, name) for name in names}
 
 
 def adapter_from_checkpoint(
@@ -132,7 +143,7 @@ def adapter_from_checkpoint(
     # Checked before the model's weights are loaded (gigabytes for real models); loading checks the keys again.
     check_checkpoint_fits(checkpoint, config, expected_lora_shapes(config), ema=ema)
     adapter = build_adapter(config.model, device, dtype)
-    load_adapter_weights(adapter.pipe.transformer, checkpoint, ema=ema)
+    load_adapter_weights(unwrap(adapter.transformer), checkpoint, ema=ema)
     return adapter
 
 
@@ -192,7 +203,11 @@ def check_output_dir(
 def _looks_like(entries: list[str], kind: str) -> bool:
     """Whether a directory is an earlier output of ``kind`` (what ``--overwrite`` may replace whole)."""
     if kind == "lora":
-        return set(entries) <= {LORA_FILE}
+        return all(
+            e == LORA_FILE
+            or (e.startswith(LORA_FILE.removesuffix(".safetensors") + "_") and e.endswith(".safetensors"))
+            for e in entries
+        )
     if kind == "pipeline":
         return "model_index.json" in entries
     return all(Path(e).suffix in (".json", ".png", ".gif") and e.startswith("eval") for e in entries)
@@ -244,27 +259,51 @@ def _missing_parents(path: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------- writing
+def lora_file(component: str) -> str:
+    """The exported LoRA file of a pipeline component: ``pytorch_lora_weights.safetensors`` for the transformer,
+    ``pytorch_lora_weights_<component>.safetensors`` for another (Wan2.2's ``transformer_2``)."""
+    return LORA_FILE if component == "transformer" else LORA_FILE.replace(".safetensors", f"_{component}.safetensors")
+
+
+def load_exported_lora(pipe: Any, directory: str | Path, **kwargs: Any) -> list[str]:
+    """Load every LoRA file of an export into ``pipe`` with diffusers' own ``load_lora_weights``, each into its
+    component (``transformer_2``'s with ``load_into_transformer_2=True``, as diffusers loads Wan2.2 LoRAs); returns
+    the components loaded (what ``pipe.fuse_lora(components=...)`` takes)."""
+    loaded = []
+    for component in ("transformer", "transformer_2"):
+        if (Path(directory) / lora_file(component)).is_file():
+            into = {"load_into_transformer_2": True} if component == "transformer_2" else {}
+            pipe.load_lora_weights(str(directory), weight_name=lora_file(component), **into, **kwargs)
+            loaded.append(component)
+    return loaded
+
+
 def save_diffusers_lora(config: Config, checkpoint: Path, out: Path, *, ema: bool = False) -> Path:
     """``out/pytorch_lora_weights.safetensors`` straight from the checkpoint files (no model is loaded), with the
-    adapter metadata so that ``lora_alpha`` survives ``load_lora_weights``."""
+    adapter metadata so that ``lora_alpha`` survives ``load_lora_weights``; one file per component the weights belong
+    to (Wan2.2's experts: also ``pytorch_lora_weights_transformer_2.safetensors``, :func:`lora_file`). Returns the
+    first file written."""
     file = Path(checkpoint) / "adapter_config.json"
     try:
         metadata: dict[str, Any] = json.loads(file.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{file} cannot be read as JSON ({err}); the checkpoint is damaged") from None
-    weights = read_weights(checkpoint, ema=ema)
-    if metadata.get("exclude_modules"):
-        # load_lora_weights injects LoRA where the weights are (and warns about an exclude list it never used):
-        # name exactly those modules instead (PipelineAdapter.lora_exclude).
-        metadata["target_modules"] = sorted({key.rsplit(".lora_", 1)[0] for key in weights})
-        metadata["exclude_modules"] = None
-    family(model_kind(config)).pipeline_class.save_lora_weights(
-        str(out),
-        transformer_lora_layers=weights,
-        transformer_lora_adapter_metadata=metadata,
-        weight_name=LORA_FILE,
-    )
-    return out / LORA_FILE
+    spec = family(model_kind(config))
+    parts = spec.adapter.split_lora(read_weights(checkpoint, ema=ema))
+    for component, weights in parts.items():
+        meta = dict(metadata)
+        if meta.get("exclude_modules"):
+            # load_lora_weights injects LoRA where the weights are (and warns about an exclude list it never used):
+            # name exactly those modules instead (PipelineAdapter.lora_exclude).
+            meta["target_modules"] = sorted({key.rsplit(".lora_", 1)[0] for key in weights})
+            meta["exclude_modules"] = None
+        spec.pipeline_class.save_lora_weights(  # its keys say transformer.<...>: load_lora_weights' component
+            str(out),
+            transformer_lora_layers=weights,
+            transformer_lora_adapter_metadata=meta,
+            weight_name=lora_file(component),
+        )
+    return out / lora_file(next(iter(parts)))
 
 
 def export_checkpoint(
@@ -305,7 +344,6 @@ def _save_merged(config: Config, checkpoint: Path, out: Path, *, ema: bool) -> N
         save_diffusers_lora(config, checkpoint, Path(lora_dir), ema=ema)
         m = config.model
         pipe = load_pipeline(m.pretrained, kind=m.kind, dtype=m.dtype, device="cpu")
-        pipe.load_lora_weights(lora_dir, weight_name=LORA_FILE)
-        pipe.fuse_lora()
+        pipe.fuse_lora(components=load_exported_lora(pipe, lora_dir))
         pipe.unload_lora_weights()
     pipe.save_pretrained(str(out), safe_serialization=True)

@@ -618,25 +618,7 @@ def wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
     tok = tiny_t5_tokenizer()
     s = seed * 16
     return {
-        # Wan2.1's layout in miniature: 3D patches (1, 2, 2), self-attention with RoPE over (frame, row, column)
-        # (head dim 12 = 4 + 4 + 4), cross-attention on the UMT5 embeddings (text_dim = d_model 32).
-        "transformer": _seeded(
-            s + 0,
-            lambda: WanTransformer3DModel(
-                patch_size=(1, 2, 2),
-                num_attention_heads=2,
-                attention_head_dim=12,
-                in_channels=4,
-                out_channels=4,
-                text_dim=32,
-                freq_dim=32,
-                ffn_dim=32,
-                num_layers=2,
-                cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads",
-                rope_max_seq_len=32,
-            ),
-        ),
+        "transformer": _seeded(s + 0, _wan_transformer),
         # Two down-sampling stages, both also halving time: spatial factor 4, temporal factor 4 (the real VAE's).
         "vae": _seeded(
             s + 1,
@@ -664,6 +646,61 @@ def wan_components(seed: int, vae: str = "kl") -> dict[str, object]:
             final_sigmas_type="zero",
         ),
     }
+
+
+def _wan_transformer(channels: int = 4, **options: Any) -> WanTransformer3DModel:
+    """Wan's transformer in miniature: 3D patches (1, 2, 2), self-attention with RoPE over (frame, row, column)
+    (head dim 12 = 4 + 4 + 4), cross-attention on the UMT5 embeddings (text_dim = d_model 32). ``channels``: its
+    latent channels in and out; ``options``: more of its config (image-to-video's)."""
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=options.pop("in_channels", channels),
+        out_channels=channels,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        **options,
+    )
+
+
+def wan22_components(seed: int, vae: str = "kl", *, ti2v: bool = False) -> dict[str, object]:
+    """Wan2.2 text-to-video in miniature, for ``WanPipeline(**components)`` (the ``wan`` family has one tiny source,
+    Wan2.1's). Default: A14B's layout, :func:`wan_components` plus a second transformer (seeded apart) as the
+    low-noise expert ``transformer_2`` and ``boundary_ratio`` 0.875 (the T2V-A14B's). ``ti2v``: TI2V-5B's instead, one
+    transformer on the Wan2.2 VAE's latents (``is_residual``, a 2x2 patchify before the encoder: spatial factor 8
+    here, z_dim 8 where the real one has 48) with ``expand_timesteps`` (per-token timesteps)."""
+    components = wan_components(seed, vae)
+    s = seed * 16
+    if not ti2v:
+        return {**components, "transformer_2": _seeded(s + 3, _wan_transformer), "boundary_ratio": 0.875}
+    z_dim = 8
+    components["vae"] = _seeded(
+        s + 4,
+        lambda: AutoencoderKLWan(
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            is_residual=True,
+            in_channels=12,  # 3 colours x the 2x2 patch
+            out_channels=12,
+            patch_size=2,
+            # Wan2.1's first 8 statistics (AutoencoderKLWan's defaults; the real Wan2.2 VAE has its own 48)
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508],
+            latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743],
+            scale_factor_temporal=4,
+            scale_factor_spatial=8,
+        ),
+    )
+    components["transformer"] = _seeded(s + 0, lambda: _wan_transformer(z_dim))
+    return {**components, "expand_timesteps": True}
 
 
 def build_tiny_pipeline(

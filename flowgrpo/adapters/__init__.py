@@ -55,10 +55,7 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
     options = {} if model.max_sequence_length is None else {"max_sequence_length": model.max_sequence_length}
     if model.num_frames is not None:  # video families; make_adapter refuses it for an image pipeline
         options["num_frames"] = model.num_frames
-    defaults = type(model)()
-    for option in FAMILY_OPTIONS:  # some families' own options, when set; make_adapter refuses them for the others
-        if getattr(model, option) != getattr(defaults, option):
-            options[option] = getattr(model, option)
+    options.update(family_options(model))  # make_adapter refuses them for the other families
     adapter = make_adapter(pipe, negative_prompt=model.negative_prompt, **options)
     try:
         adapter.check_size(*model.size)  # (height, width)
@@ -70,6 +67,13 @@ def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> 
     if model.gradient_checkpointing:
         adapter.enable_gradient_checkpointing()
     return adapter
+
+
+def family_options(model: Any) -> dict[str, Any]:
+    """The families' own options (``FAMILY_OPTIONS``) that ``model`` (a ``ModelConfig``) sets to other than their
+    defaults: the adapter's keyword options."""
+    defaults = type(model)()
+    return {k: getattr(model, k) for k in FAMILY_OPTIONS if getattr(model, k) != getattr(defaults, k)}
 
 
 def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
@@ -107,6 +111,7 @@ __all__ = [
     "available_families",
     "build_adapter",
     "family",
+    "family_options",
     "family_of_pipeline",
     "make_adapter",
     "register_family",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
@@ -123,6 +123,9 @@ class PipelineAdapter:
     # trainable weights the reference forwards swap in (an OldWeights), else None: the adapter-disabled model.
     reference_snapshot: Any = None
 
+    # The pipeline components the trained module is made of (:meth:`lora_model`; export builds them weightless).
+    lora_components: ClassVar[tuple[str, ...]] = ("transformer",)
+
     def __init__(self, pipe: Any, *, negative_prompt: str = "") -> None:
         self.pipe = pipe
         self.transformer: torch.nn.Module = pipe.transformer
@@ -135,6 +138,19 @@ class PipelineAdapter:
         self.source_encoder_calls = 0  # batched source-image encode calls (editing)
 
     # ------------------------------------------------------------------ family-specific
+    @classmethod
+    def lora_model(cls, components: Mapping[str, Any], **options: Any) -> torch.nn.Module:
+        """The module LoRA is added to, whose parameter names checkpoints use: the pipeline's transformer.
+        ``components``: the pipeline's (``pipe.components``) or weightless ones built from their configs (export's
+        shape check); ``options``: the adapter's constructor options (``model.*`` family options)."""
+        return components["transformer"]
+
+    @classmethod
+    def split_lora(cls, weights: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+        """A checkpoint's LoRA weights by the pipeline component diffusers' ``load_lora_weights`` loads them into,
+        under the names that component gives them: all the transformer's."""
+        return {"transformer": weights}
+
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """(token embeddings [N, L, D], pooled [N, P]) for unique prompts, one batched text-encoder pass."""
         raise NotImplementedError

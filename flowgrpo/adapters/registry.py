@@ -186,7 +186,7 @@ class FamilyNames(Sequence[str]):
 
 # ``model.*`` keys that only some families' adapters take (as ``__init__`` keywords): ``build_adapter`` hands one on
 # when it differs from its default, and a family whose adapter lacks it refuses it (:func:`family_option_error`).
-FAMILY_OPTIONS = ("source_area", "true_cfg_scale")
+FAMILY_OPTIONS = ("source_area", "true_cfg_scale", "guidance_scale_2", "lora_experts")
 
 
 def adapter_options(adapter: type) -> frozenset[str]:

@@ -1,6 +1,21 @@
-"""Wan2.1 text-to-video adapter: UMT5 prompts zero-padded to ``max_sequence_length``, latents ``[C, F', H/8, W/8]``
-with ``F' = (F - 1) / 4 + 1`` latent frames, CFG as two forwards, AutoencoderKLWan with per-channel latent statistics.
+"""Wan text-to-video adapter (``WanPipeline``): Wan2.1, Wan2.2's two experts (A14B) and Wan2.2's per-token timesteps
+(TI2V-5B). UMT5 prompts zero-padded to ``max_sequence_length``, latents ``[C, F', H/8, W/8]`` with
+``F' = (F - 1) / 4 + 1`` latent frames, CFG as two forwards, AutoencoderKLWan with per-channel latent statistics.
 Follows ``diffusers.WanPipeline.__call__`` step by step.
+
+Wan2.2 A14B: two experts. ``transformer`` denoises the high-noise steps, ``transformer_2`` the rest: a step whose
+timestep ``t >= boundary_ratio · num_train_timesteps`` runs ``transformer`` with ``guidance_scale``, any other
+``transformer_2`` with ``guidance_scale_2`` (None: ``guidance_scale``), exactly as ``pipe()`` picks them. The choice is
+made per sample from the timestep the network is fed, in the rollout and in every re-scoring alike, so a step's
+log-prob is always its own expert's (a micro-batch that mixes steps of both runs each expert on its rows). Both
+experts form one module (:class:`WanExperts`) for LoRA, the optimizer, EMA, checkpoints and DDP; LoRA goes on both
+(``lora_experts: both``) or on one (``high_noise``: ``transformer``, ``low_noise``: ``transformer_2``). Export writes
+one diffusers LoRA file per expert: ``transformer``'s as ``pytorch_lora_weights.safetensors``, ``transformer_2``'s
+as ``pytorch_lora_weights_transformer_2.safetensors``, loaded with ``load_lora_weights(...,
+load_into_transformer_2=True)`` (diffusers' way for Wan2.2).
+
+Wan2.2 TI2V-5B (``expand_timesteps``): its text-to-video mode feeds the transformer one timestep per latent token,
+``(mask[:, ::2, ::2] · t).flatten()`` with a mask of ones, as ``pipe()`` does (the same t everywhere).
 
 The frame axis lives here: rollouts, the trainer and evaluation see latents of whatever shape :meth:`latent_shape`
 says, and :meth:`decode` returns clips ``[B, F, 3, H, W]`` in [0, 1] (``pipe(output_type="pt").frames``); rewards
@@ -18,20 +33,98 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..checks import check_num_frames
-from .base import PipelineAdapter, PromptEmbeds
+from ..checks import ConfigError, check_num_frames, one_of
+from .base import PipelineAdapter, PromptEmbeds, unwrap
 from .registry import FamilySpec, register_family
+
+EXPERTS = ("transformer", "transformer_2")  # Wan2.2's high- and low-noise experts, by their pipeline component names
+# model.lora_experts -> the experts that get LoRA
+LORA_EXPERTS = {"both": EXPERTS, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
+
+
+class WanExperts(torch.nn.Module):
+    """Wan2.2's two experts as one module: what LoRA, the optimizer, EMA, checkpoints (``transformer.<...>`` and
+    ``transformer_2.<...>``, the pipeline's component names) and DDP see. The experts are the pipeline's own modules,
+    so ``pipe()`` runs the same weights. :meth:`forward` runs the expert it is told (the adapter picks it)."""
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, *, lora: Sequence[str]) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        unknown = set(lora) - set(EXPERTS)
+        if not lora or unknown:
+            raise ValueError(f"WanExperts: lora names experts among {EXPERTS}, got {list(lora)}")
+        self.lora = tuple(lora)  # the experts that get LoRA (add_adapter)
+
+    @property
+    def experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        return self.transformer, self.transformer_2
+
+    def _adapted(self) -> list[torch.nn.Module]:
+        return [m for m in self.experts if getattr(m, "_hf_peft_config_loaded", False)]
+
+    def forward(self, *, expert: int, **inputs: Any) -> Tensor:
+        """``experts[expert](**inputs)``'s prediction. With gradient, the other expert's trainable weights are tied in
+        with weight exactly 0: every trainable parameter then takes part in every training forward (DDP's reducer
+        expects each one, and a step on an expert without LoRA still has a graph to back up); the value is
+        unchanged and their gradient is 0."""
+        out = self.experts[expert](**inputs, return_dict=False)[0]
+        if torch.is_grad_enabled():
+            idle = [p for p in self.experts[1 - expert].parameters() if p.requires_grad]
+            if idle:
+                out = out + (sum(p.sum() for p in idle) * 0.0).to(out.dtype)
+        return out
+
+    # what PipelineAdapter calls on the module it trains (diffusers' ModelMixin / PeftAdapterMixin), for both experts
+    def add_adapter(self, config: Any) -> None:
+        for name in self.lora:
+            getattr(self, name).add_adapter(copy.deepcopy(config))  # peft may fill the config in: one each
+
+    @property
+    def peft_config(self) -> dict[str, Any]:
+        """The LoRA config (both adapted experts have the same): what checkpoints store as adapter_config.json."""
+        adapted = self._adapted()
+        if not adapted:
+            raise AttributeError("WanExperts: no expert has a LoRA adapter")
+        return adapted[0].peft_config
+
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        return bool(self._adapted())
+
+    def disable_adapters(self) -> None:
+        for model in self._adapted():
+            model.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for model in self._adapted():
+            model.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        for model in self.experts:
+            model.enable_gradient_checkpointing()
+
+    def enable_xformers_memory_efficient_attention(self) -> None:
+        for model in self.experts:
+            model.enable_xformers_memory_efficient_attention()
+
+    def compile(self, **options: Any) -> None:
+        for model in self.experts:  # each expert's forward, as for one transformer (this module only dispatches)
+            model.compile(**options)
 
 
 class WanAdapter(PipelineAdapter):
-    """``WanPipeline`` (Wan2.1 text-to-video). ``num_frames`` (``4k + 1``, the VAE's temporal factor 4) is fixed per
-    adapter; ``guidance_scale > 1``: CFG with ``negative_prompt`` (Flow-GRPO: ``""``, the pipeline's default)."""
+    """``WanPipeline`` (Wan2.1 / Wan2.2 text-to-video). ``num_frames`` (``4k + 1``, the VAE's temporal factor 4) is
+    fixed per adapter; ``guidance_scale > 1``: CFG with ``negative_prompt`` (Flow-GRPO: ``""``, the pipeline's default).
+    Wan2.2's two experts: ``guidance_scale_2`` (``model.guidance_scale_2``) guides the low-noise expert's steps
+    (None: ``guidance_scale``, as ``pipe()``), ``lora_experts`` (``model.lora_experts``: ``both`` | ``high_noise`` |
+    ``low_noise``) says which get LoRA; with one, the other's steps train nothing (their gradient is 0)."""
 
     family = "wan"
     uses_cfg = True
@@ -39,19 +132,23 @@ class WanAdapter(PipelineAdapter):
     # Flow-GRPO's train_wan2_1.py targets to_q / to_k / to_v / to_out.0 (+ add_*_proj / to_add_out, which the
     # text-to-video transformer does not have): the self- and cross-attention projections of every block.
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    lora_components = EXPERTS  # Wan2.2's transformer_2 where the pipeline has one
 
     def __init__(
-        self, pipe: Any, *, negative_prompt: str = "", max_sequence_length: int = 512, num_frames: int = 81
+        self,
+        pipe: Any,
+        *,
+        negative_prompt: str = "",
+        max_sequence_length: int = 512,
+        num_frames: int = 81,
+        guidance_scale_2: float | None = None,
+        lora_experts: str = "both",
     ) -> None:
         super().__init__(pipe, negative_prompt=negative_prompt)
-        config = pipe.config
-        if pipe.transformer is None or getattr(pipe, "transformer_2", None) is not None or config.get("boundary_ratio"):
-            raise ValueError(
-                "wan: this WanPipeline has two transformers (Wan2.2's high/low-noise experts, boundary_ratio); only "
-                "single-transformer Wan2.1 text-to-video is supported"
-            )
-        if config.get("expand_timesteps"):
-            raise ValueError("wan: expand_timesteps (Wan2.2 TI2V's per-token timesteps) is not supported")
+        self.boundary_ratio = check_experts(pipe, guidance_scale_2, lora_experts, self.family)
+        self.guidance_scale_2 = guidance_scale_2
+        self.lora_experts = lora_experts
+        self.transformer = self.lora_model(pipe.components, lora_experts=lora_experts)
         if max_sequence_length < 1:
             raise ValueError(f"wan: max_sequence_length must be >= 1, got {max_sequence_length}")
         self.max_sequence_length = max_sequence_length  # pipe()'s default and Flow-GRPO's: 512 UMT5 tokens
@@ -59,6 +156,40 @@ class WanAdapter(PipelineAdapter):
         check_num_frames(num_frames, self.temporal_factor, key="num_frames")
         self.num_frames = num_frames
         self._network_timesteps: dict[float, float] = {}  # sigma -> the scheduler's own timestep (UniPC: integers)
+
+    @classmethod
+    def lora_model(cls, components: Mapping[str, Any], **options: Any) -> torch.nn.Module:
+        """The transformer, or with Wan2.2's ``transformer_2`` both experts as one :class:`WanExperts` whose LoRA goes
+        where ``lora_experts`` says."""
+        if components.get("transformer_2") is None:
+            return components["transformer"]
+        lora = LORA_EXPERTS[options.get("lora_experts", "both")]
+        return WanExperts(components["transformer"], components["transformer_2"], lora=lora)
+
+    @classmethod
+    def split_lora(cls, weights: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+        """:class:`WanExperts`' weights (``transformer.<...>`` / ``transformer_2.<...>``) by expert, without the
+        prefix; a single transformer's are all ``transformer``'s."""
+        if not weights or not all(key.split(".", 1)[0] in EXPERTS for key in weights):
+            return super().split_lora(weights)
+        parts: dict[str, dict[str, Tensor]] = {}
+        for key, value in weights.items():
+            expert, _, name = key.partition(".")
+            parts.setdefault(expert, {})[name] = value
+        return parts
+
+    @property
+    def experts(self) -> int:
+        """1 (Wan2.1, TI2V-5B) or 2 (Wan2.2 A14B: ``transformer`` and ``transformer_2``)."""
+        return 2 if isinstance(unwrap(self.transformer), WanExperts) else 1
+
+    def expert_of(self, timestep: Tensor) -> Tensor:
+        """``[B]`` long: 0 where ``pipe()`` runs ``transformer`` (``t >= boundary_ratio · num_train_timesteps``, or
+        always with one expert), 1 where it runs ``transformer_2``; ``timestep`` ``[B]`` is what the network is fed."""
+        if self.boundary_ratio is None:
+            return torch.zeros(timestep.shape, dtype=torch.long, device=timestep.device)
+        boundary = self.boundary_ratio * self.scheduler.config.num_train_timesteps  # pipe()'s boundary_timestep
+        return (timestep < boundary).long()
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -116,21 +247,53 @@ class WanAdapter(PipelineAdapter):
         timestep: Tensor | None = None,
     ) -> Tensor:
         """``pipe()``'s prediction: the conditional forward and, with ``guidance_scale > 1``, a separate negative
-        forward, ``uncond + s · (cond − uncond)``."""
+        forward, ``uncond + s · (cond − uncond)``; each sample on the expert ``pipe()`` runs at its timestep
+        (:meth:`expert_of`), the low-noise one guided by ``guidance_scale_2`` when set."""
         timestep = self._timestep(sigma, latents.shape[0], timestep)
-        cond = self._forward(latents, timestep, embeds.prompt_embeds)
-        if not self.needs_negative(guidance_scale):
+        expert = self.expert_of(timestep)
+        if bool((expert == expert[0]).all()):
+            return self._guided(latents, timestep, embeds, guidance_scale, int(expert[0]))
+        rows = [torch.nonzero(expert == e).flatten() for e in range(self.experts)]  # a micro-batch across the boundary
+        parts = [self._guided(latents[r], timestep[r], embeds.select(r), guidance_scale, e) for e, r in enumerate(rows)]
+        return torch.cat(parts)[torch.cat(rows).argsort()]
+
+    def _guided(
+        self, latents: Tensor, timestep: Tensor, embeds: PromptEmbeds, guidance_scale: float, expert: int
+    ) -> Tensor:
+        """One expert's (CFG-guided) prediction for a batch whose samples all run on it."""
+        cond = self._forward(latents, timestep, embeds.prompt_embeds, embeds, expert)
+        if not self.needs_negative(guidance_scale):  # pipe(): CFG on both experts iff guidance_scale > 1
             return cond
         if embeds.negative_embeds is None:
             raise ValueError("guidance_scale > 1 needs negative embeddings (encode_prompts with_negative=True)")
-        uncond = self._forward(latents, timestep, embeds.negative_embeds)
-        return uncond + guidance_scale * (cond - uncond)
+        uncond = self._forward(latents, timestep, embeds.negative_embeds, embeds, expert)
+        scale = self.guidance_scale_2 if expert == 1 and self.guidance_scale_2 is not None else guidance_scale
+        return uncond + scale * (cond - uncond)
 
-    def _forward(self, latents: Tensor, timestep: Tensor, text: Tensor) -> Tensor:
+    def _model_inputs(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, dict[str, Tensor]]:
+        """The transformer's ``hidden_states`` and any inputs besides the text and timestep (image-to-video's)."""
+        return latents, {}
+
+    def _forward(self, latents: Tensor, timestep: Tensor, text: Tensor, embeds: PromptEmbeds, expert: int) -> Tensor:
         dtype = self.dtype  # as pipe(): latents and prompt embeddings in the transformer's dtype
-        return self.transformer(
-            hidden_states=latents.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False
-        )[0]
+        hidden, extra = self._model_inputs(latents, embeds)
+        inputs = {
+            "hidden_states": hidden.to(dtype),
+            "timestep": self._token_timesteps(timestep, latents),
+            "encoder_hidden_states": text.to(dtype),
+            **{k: v.to(dtype) for k, v in extra.items()},
+        }
+        if self.experts == 1:
+            return self.transformer(**inputs, return_dict=False)[0]
+        return self.transformer(expert=expert, **inputs)
+
+    def _token_timesteps(self, timestep: Tensor, latents: Tensor) -> Tensor:
+        """``expand_timesteps`` (TI2V-5B): ``[B, F' · ⌈h/2⌉ · ⌈w/2⌉]``, each sample's t on every token, as ``pipe()``
+        builds ``(mask[0][0][:, ::2, ::2] * t).flatten()``; else ``[B]`` as it is."""
+        if not self.pipe.config.get("expand_timesteps"):
+            return timestep
+        frames, h, w = latents.shape[-3:]
+        return timestep[:, None].expand(-1, frames * ((h + 1) // 2) * ((w + 1) // 2))
 
     def _timestep(self, sigma: Tensor | float, batch: int, timestep: Tensor | None = None) -> Tensor:
         """The scheduler's own timestep of each sigma when it has its own (UniPC: ``int(1000 σ)`` in float64, what
@@ -198,10 +361,45 @@ class WanAdapter(PipelineAdapter):
         return self.pipe.video_processor.postprocess_video(video, output_type="pt").float()
 
 
+def check_experts(pipe: Any, guidance_scale_2: float | None, lora_experts: str, family: str) -> float | None:
+    """The pipeline's ``boundary_ratio`` (None: one transformer), after refusing what ``pipe()`` cannot run or never
+    runs: Wan2.2's ``transformer_2`` without a boundary (``pipe()`` would ignore it) or the other way round, no
+    ``transformer``, and the two-expert options (``model.guidance_scale_2``, ``model.lora_experts``) on one expert."""
+    boundary = pipe.config.get("boundary_ratio")
+    second = getattr(pipe, "transformer_2", None)
+    if pipe.transformer is None:
+        raise ValueError(
+            f"{family}: this pipeline has no transformer (the high-noise expert that pipe() runs first); load it whole"
+        )
+    if second is not None and boundary is None:
+        raise ValueError(
+            f"{family}: this pipeline has a transformer_2 but no boundary_ratio, so pipe() never runs it (every step "
+            "is transformer's); set the pipeline's boundary_ratio (Wan2.2 A14B: 0.875 text-to-video, 0.9 "
+            "image-to-video) or leave transformer_2 out"
+        )
+    if second is None and boundary is not None:
+        raise ValueError(
+            f"{family}: boundary_ratio={boundary} switches the steps below it to Wan2.2's low-noise expert, but this "
+            "pipeline has no transformer_2; load it with its transformer_2, or drop boundary_ratio"
+        )
+    one_of("model.lora_experts", lora_experts, tuple(LORA_EXPERTS))
+    if second is None and lora_experts != "both":
+        raise ConfigError(
+            f"model.lora_experts={lora_experts} picks one of Wan2.2's two experts, but this pipeline has one "
+            "transformer: remove model.lora_experts"
+        )
+    if second is None and guidance_scale_2 is not None:
+        raise ConfigError(
+            f"model.guidance_scale_2={guidance_scale_2} guides Wan2.2's low-noise expert, but this pipeline has one "
+            "transformer (no boundary_ratio; pipe() refuses it too): remove model.guidance_scale_2"
+        )
+    return boundary
+
+
 SPEC = register_family(
     FamilySpec(
         name="wan",
-        pipelines=("WanPipeline",),  # Wan2.1 text-to-video; image-to-video, VACE, video-to-video: their own inputs
+        pipelines=("WanPipeline",),  # Wan2.1 / Wan2.2 text-to-video; image-to-video: wan-i2v; VACE, video-to-video: no
         transformer="WanTransformer3DModel",
         adapter=WanAdapter,
         tiny="flowgrpo.tiny:wan_components",  # its own AutoencoderKLWan only (no -taesd)
