@@ -38,6 +38,13 @@ Key sizes (see ``TINY_SIZES``):
   (1, 2, 2) -> height / width multiples of 16 (the pipeline's own rule); a UMT5 encoder (d_model 32) with the tiny T5
   tokenizer; the hub's ``UniPCMultistepScheduler`` (flow sigmas, ``flow_shift`` 3.0). The pipeline's default size is
   480x832 with 81 frames: pass ``height`` / ``width`` / ``num_frames`` (32, 32, 5) for speed.
+- Z-Image (``zimage``, a ``ZImagePipeline``): FLUX's AutoencoderKL layout (4 latent channels, FLUX's scaling / shift
+  factors) and a ``ZImageTransformer2DModel`` (dim 32, 2 heads of 16 = RoPE axes 4 + 6 + 6, patch 2: height / width
+  multiples of 4, one noise- and one context-refiner block, 2 main blocks); a Qwen3 text encoder (hidden 32 = the
+  transformer's ``cap_feat_dim``; the pipeline reads its second-to-last hidden state) with the tiny Qwen BPE and a
+  Qwen3-style chat template; Z-Image-Turbo's scheduler (static shift 3). Its timestep embedder's 1024-wide hidden layer
+  is fixed in diffusers (most of its 0.36 M parameters). The pipeline's default size is 1024²: pass ``height`` /
+  ``width``.
 - Text: CLIP vocab 1000 (77 tokens), T5 d_model 32. SD3 pooled = 32 + 32 = 64, joint = 32
   (CLIP hidden 8 + 16 = 24, zero-padded to T5's 32 as in the real model); FLUX pooled 32, joint 32.
 """
@@ -65,6 +72,7 @@ from diffusers import (
     SD3Transformer2DModel,
     UniPCMultistepScheduler,
     WanTransformer3DModel,
+    ZImageTransformer2DModel,
 )
 from diffusers.utils import logging as diffusers_logging
 from transformers import (
@@ -78,6 +86,8 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -145,6 +155,15 @@ TINY_SIZES: dict[str, dict[str, int]] = {
         "resolution_multiple": 16,
         "default_resolution": 480,
         "default_num_frames": 81,
+        "pooled_dim": 0,
+        "joint_dim": 32,
+    },
+    # ZImagePipeline; its default size is 1024x1024.
+    "zimage": {
+        "latent_channels": 4,
+        "vae_scale_factor": 2,
+        "resolution_multiple": 4,
+        "default_resolution": 1024,
         "pooled_dim": 0,
         "joint_dim": 32,
     },
@@ -430,6 +449,67 @@ def sd3_components(seed: int, vae: str = "kl") -> dict[str, object]:
         "tokenizer_2": tok_2,
         "tokenizer_3": tok_3,
         "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    }
+
+
+# The structure of Qwen3's chat template for what ZImagePipeline encodes (one user message, the generation prompt,
+# enable_thinking=True): "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n". enable_thinking=False would
+# add Qwen3's empty think block, as the real template does.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def zimage_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``zimage`` family's components. ``vae``: only ``kl`` (``ZImagePipeline`` reads the VAE's
+    ``block_out_channels`` and ``shift_factor``, which the tiny AutoencoderTiny lacks)."""
+    if vae != "kl":
+        raise ValueError("the tiny zimage pipeline has only vae='kl' (an AutoencoderKL with FLUX's factors)")
+    tok = tiny_qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    s = seed * 16
+    text = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,  # the pipeline reads hidden_states[-2]: the first layer's output
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=QWEN_MAX_LENGTH,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return {
+        # Z-Image's single-stream layout in miniature: refiner blocks for the image and the caption tokens, then joint
+        # blocks over [image, caption]; RoPE axes (frame/caption position, row, column) summing to the head dim.
+        "transformer": _seeded(
+            s + 0,
+            lambda: ZImageTransformer2DModel(
+                all_patch_size=(2,),
+                all_f_patch_size=(1,),
+                in_channels=4,
+                dim=32,
+                n_layers=2,
+                n_refiner_layers=1,
+                n_heads=2,
+                n_kv_heads=2,
+                cap_feat_dim=32,  # the text encoder's hidden size
+                axes_dims=[4, 6, 6],
+                axes_lens=[1024, 512, 512],
+            ),
+        ),
+        "vae": _seeded(s + 1, lambda: _vae(4, scaling_factor=0.3611, shift_factor=0.1159)),  # FLUX's, as Z-Image's
+        "text_encoder": _seeded(s + 2, lambda: Qwen3Model(text)),
+        "tokenizer": tok,
+        # Z-Image-Turbo's scheduler config: a static shift of 3 (the pipeline passes mu, which this config ignores).
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
     }
 
 

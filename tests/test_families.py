@@ -34,6 +34,7 @@ SUPPORTED = {  # pipeline class -> family, written out here so that a lost or mi
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage-edit",
     "WanPipeline": "wan",
+    "ZImagePipeline": "zimage",
 }
 SIBLINGS = (  # same family namespace, other inputs (mask / control / source latents, first frames) or another model
     "FluxFillPipeline",
@@ -91,6 +92,7 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         "tiny-qwenimage": "qwenimage",
         "tiny-qwenimage-edit": "qwenimage-edit",
         "tiny-wan": "wan",
+        "tiny-zimage": "zimage",
     }
 
 
