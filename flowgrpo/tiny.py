@@ -560,6 +560,182 @@ def flux_components(seed: int, vae: str = "kl") -> dict[str, object]:
     }
 
 
+# FLUX.2 ([klein]: Qwen3 prompts; [dev]: Mistral-Small-3.1 prompts). The pipelines read the hidden states of text
+# layers (9, 18, 27) / (10, 20, 30) by default, so the tiny text models are that deep (28 / 31 layers of width 16:
+# under 0.1 M parameters each) and pipe()'s defaults run unchanged. The VAE's latents are 2x2-patchified and
+# normalised by its BatchNorm's running statistics (set to non-trivial values here, as a trained VAE's).
+
+# Mistral-Small-3.1's chat template reduced to what Flux2Pipeline renders with it (a system message and a user
+# message, each a list of text parts): "<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]", as the real one.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message['content'] is string %}"
+    "{%- set text = message['content'] %}{%- else %}{%- set text = message['content'] | selectattr('type', "
+    "'equalto', 'text') | map(attribute='text') | join('') %}{%- endif %}{%- if message['role'] == 'system' %}"
+    "{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}{%- elif message['role'] == 'user' %}"
+    "{{- '[INST]' + text + '[/INST]' }}{%- else %}{{- text + eos_token }}{%- endif %}{%- endfor %}"
+)
+# Mistral's special tokens first, as in its tokenizer (<unk> 0, <s> 1, </s> 2), then the Pixtral image tokens.
+MISTRAL_SPECIAL_TOKENS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+)
+
+
+def _flux2_shared(seed: int, vae: str, guidance_embeds: bool) -> dict[str, object]:
+    """The FLUX.2 transformer, VAE and scheduler in miniature (``[klein]``: no guidance embedding)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel  # imported on use, as the text models below
+
+    if vae != "kl":
+        raise ValueError("the tiny FLUX.2 pipelines have only vae='kl' (an AutoencoderKLFlux2)")
+
+    def autoencoder() -> AutoencoderKLFlux2:
+        model = AutoencoderKLFlux2(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16),  # vae_scale_factor 2; 2x2 patches on top: sizes are multiples of 4
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=8,
+            sample_size=64,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        with torch.no_grad():  # the patchified latents' statistics, which the pipelines normalise by
+            model.bn.running_mean.normal_(0.0, 0.5)
+            model.bn.running_var.uniform_(0.5, 2.0)
+        return model
+
+    s = seed * 16
+    return {
+        # FLUX.2's layout: double- and single-stream blocks, 4-axis RoPE (time, row, column, token) summing to the
+        # head dim, joint_attention_dim = 3 text layers x their width 16.
+        "transformer": _seeded(
+            s + 0,
+            lambda: Flux2Transformer2DModel(
+                patch_size=1,
+                in_channels=16,  # 4 latent channels x 2x2 patches
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=48,
+                timestep_guidance_channels=32,
+                axes_dims_rope=(4, 4, 4, 4),
+                guidance_embeds=guidance_embeds,
+            ),
+        ),
+        "vae": _seeded(s + 1, autoencoder),
+        # FLUX.1's dynamic-shift config; pipe() computes its own mu (compute_empirical_mu) from the token count and
+        # the step count, so only use_dynamic_shifting and the exponential shift of this config take effect.
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
+    }
+
+
+def flux2_klein_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``flux2-klein`` family's components (a ``Flux2KleinPipeline``, ``is_distilled=False``: the base
+    model's true CFG): a Qwen3 of 28 layers with the tiny Qwen BPE, Qwen3's ``<think>`` tokens and chat template.
+    ``vae``: only ``kl`` (an AutoencoderKLFlux2)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    components = _flux2_shared(seed, vae, guidance_embeds=False)
+    tok = tiny_qwen_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])  # Qwen3's, outside Qwen2.5's vocabulary
+    tok.chat_template = QWEN3_CHAT_TEMPLATE  # Klein renders it with enable_thinking=False: the empty think block
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=28,  # layers 9, 18, 27 are read
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=QWEN_MAX_LENGTH,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    text_encoder = _seeded(seed * 16 + 2, lambda: Qwen3ForCausalLM(config))
+    return {**components, "text_encoder": text_encoder, "tokenizer": tok, "is_distilled": False}
+
+
+def flux2_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``flux2`` family's components (a ``Flux2Pipeline``, FLUX.2 [dev]: guidance embedding): a
+    Mistral3ForConditionalGeneration of 31 text layers with a one-layer Pixtral vision tower (Flux2Pipeline encodes
+    text only; the processor and model need one), read through a ``PixtralProcessor`` over the tiny byte-level BPE
+    with Mistral's special tokens and a reduced chat template. ``vae``: only ``kl`` (an AutoencoderKLFlux2)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+
+    components = _flux2_shared(seed, vae, guidance_embeds=True)
+    vocab, merges = _qwen_bpe()
+    tok = Qwen2Tokenizer(  # byte-level BPE, as Mistral's tekken tokenizer
+        vocab={token: i for i, token in enumerate(MISTRAL_SPECIAL_TOKENS + vocab)},
+        merges=list(merges),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=list(MISTRAL_SPECIAL_TOKENS[4:]),
+        model_max_length=2048,
+    )
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessor(patch_size=4, size={"longest_edge": 32}),
+        tokenizer=tok,
+        patch_size=4,
+        spatial_merge_size=1,
+        chat_template=MISTRAL_CHAT_TEMPLATE,
+    )
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "vocab_size": len(tok),
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 31,  # layers 10, 20, 30 are read
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "max_position_embeddings": 2048,
+            "sliding_window": None,
+            **special,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 4,
+            "image_size": 32,
+            "patch_size": 4,
+            "num_channels": 3,
+        },
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=1,
+        vision_feature_layer=-1,
+    )
+    text_encoder = _seeded(seed * 16 + 2, lambda: Mistral3ForConditionalGeneration(config))
+    return {**components, "text_encoder": text_encoder, "tokenizer": processor}
+
+
 def _qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
     vision = {
         "depth": 1,

@@ -80,7 +80,7 @@ def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
     """The adapter for a loaded diffusers pipeline, by its exact class (:func:`registry.family_of_pipeline`).
 
     A subclass or sibling of a supported pipeline (e.g. ``FluxFillPipeline``, ``FluxControlPipeline``,
-    ``FluxKontextInpaintPipeline``, ``Flux2Pipeline``, ``WanImageToVideoPipeline``) is refused with the list of
+    ``FluxKontextInpaintPipeline``, ``Flux2KleinKVPipeline``, ``WanVACEPipeline``) is refused with the list of
     supported classes; ``num_frames`` is refused for an image family (None is dropped), and another option the
     family's adapter does not take (``true_cfg_scale`` but for FLUX, ...) with a :class:`ConfigError`."""
     spec = family_of_pipeline(pipe)

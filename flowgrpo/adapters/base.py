@@ -213,18 +213,20 @@ class PipelineAdapter:
     def encode_prompts(self, prompts: Sequence[str], *, with_negative: bool = False) -> PromptEmbeds:
         """Embeddings for ``prompts`` (one row each), encoding each unique prompt once and caching it.
 
-        ``with_negative`` adds the empty/negative prompt's embeddings (encoded once) for CFG.
+        ``with_negative`` adds the empty/negative prompt's embeddings (encoded once) for CFG. A family without a
+        pooled embedding (its ``_encode`` returns an empty ``[N, 0]``) gets ``pooled`` / ``negative_pooled`` None.
         """
         prompts = self._encode_missing(prompts, with_negative)
         embeds = torch.stack([self._cache[p][0] for p in prompts])
         pooled = torch.stack([self._cache[p][1] for p in prompts])
+        if pooled.shape[-1] == 0:
+            pooled = None
         if not with_negative:
             return PromptEmbeds(embeds, pooled)
         neg_embeds, neg_pooled = self._cache[self.negative_prompt]
         n = len(prompts)
-        return PromptEmbeds(
-            embeds, pooled, neg_embeds.expand(n, *neg_embeds.shape), neg_pooled.expand(n, *neg_pooled.shape)
-        )
+        neg_pooled = None if pooled is None else neg_pooled.expand(n, *neg_pooled.shape)
+        return PromptEmbeds(embeds, pooled, neg_embeds.expand(n, *neg_embeds.shape), neg_pooled)
 
     def _encode_missing(self, prompts: Sequence[str], with_negative: bool) -> list[str]:
         """Check ``prompts`` and fill the cache: one batched ``_encode`` of those (and of the negative prompt, with

@@ -132,8 +132,8 @@ class FluxAdapter(PipelineAdapter):
         return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
 
 
-# FLUX.1 text-to-image only: FluxFill / FluxControl / FluxImg2Img / FluxInpaint feed other inputs, and FLUX.2
-# (Flux2Pipeline) is another model; each is refused by make_adapter.
+# FLUX.1 text-to-image only: FluxFill / FluxControl / FluxImg2Img / FluxInpaint feed other inputs, refused by
+# make_adapter. FLUX.2 is another model, its own families (flowgrpo/adapters/flux2.py).
 SPEC = register_family(
     FamilySpec(
         name="flux",
