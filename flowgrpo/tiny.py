@@ -38,6 +38,13 @@ Key sizes (see ``TINY_SIZES``):
   (1, 2, 2) -> height / width multiples of 16 (the pipeline's own rule); a UMT5 encoder (d_model 32) with the tiny T5
   tokenizer; the hub's ``UniPCMultistepScheduler`` (flow sigmas, ``flow_shift`` 3.0). The pipeline's default size is
   480x832 with 81 frames: pass ``height`` / ``width`` / ``num_frames`` (32, 32, 5) for speed.
+- Wan2.2 (:func:`wan22_components`, no tiny source: tests build ``WanPipeline(**components)``): A14B's two experts, a
+  second tiny transformer as ``transformer_2`` with ``boundary_ratio`` 0.875; or TI2V-5B's layout, the Wan2.2 VAE
+  (``is_residual``, 2x2 patchify, spatial factor 8, z_dim 8) with ``expand_timesteps``.
+- Wan image-to-video (``wan-i2v``, a ``WanImageToVideoPipeline``): the wan components with a transformer taking
+  4 + 4 + 4 = 12 channels (noisy latents, first-frame mask, image latents) and Wan2.1 I2V's image branch fed by a
+  tiny ``CLIPVisionModel`` (32² crops, patch 8: 17 tokens of 16); ``wan_i2v_components(wan22=True)``: Wan2.2 I2V's two
+  experts without it (``boundary_ratio`` 0.9).
 - Z-Image (``zimage``, a ``ZImagePipeline``): FLUX's AutoencoderKL layout (4 latent channels, FLUX's scaling / shift
   factors) and a ``ZImageTransformer2DModel`` (dim 32, 2 heads of 16 = RoPE axes 4 + 6 + 6, patch 2: height / width
   multiples of 4, one noise- and one context-refiner block, 2 main blocks); a Qwen3 text encoder (hidden 32 = the
@@ -957,6 +964,44 @@ def wan22_components(seed: int, vae: str = "kl", *, ti2v: bool = False) -> dict[
     )
     components["transformer"] = _seeded(s + 0, lambda: _wan_transformer(z_dim))
     return {**components, "expand_timesteps": True}
+
+
+def wan_i2v_components(seed: int, vae: str = "kl", *, wan22: bool = False) -> dict[str, object]:
+    """The tiny ``wan-i2v`` family's components (``WanImageToVideoPipeline``): the tiny wan VAE, UMT5 and scheduler,
+    with a transformer that takes the noisy latents, the 4-channel first-frame mask and the image's latents
+    (4 + 4 + 4 = 12 channels in, as the real 16 + 4 + 16 = 36). Default: Wan2.1 I2V's layout, with a tiny CLIP vision
+    tower (patch 8 on 32² crops: 17 tokens, hidden 16) whose penultimate hidden states reach the transformer's image
+    cross-attention (``image_dim`` 16, ``added_kv_proj_dim`` = its inner dim 24). ``wan22``: Wan2.2 I2V A14B's, two such
+    transformers without the image branch (no image encoder) and ``boundary_ratio`` 0.9."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel  # only this build uses them
+
+    components = wan_components(seed, vae)
+    s = seed * 16
+    if wan22:
+        expert = lambda: _wan_transformer(in_channels=12)  # noqa: E731
+        return {
+            **components,
+            "transformer": _seeded(s + 5, expert),
+            "transformer_2": _seeded(s + 6, expert),
+            "boundary_ratio": 0.9,
+            "image_encoder": None,
+            "image_processor": None,
+        }
+    vision = CLIPVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=16,
+    )
+    return {
+        **components,
+        "transformer": _seeded(s + 5, lambda: _wan_transformer(in_channels=12, image_dim=16, added_kv_proj_dim=24)),
+        "image_encoder": _seeded(s + 7, lambda: CLIPVisionModel(vision)),
+        "image_processor": CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    }
 
 
 def build_tiny_pipeline(

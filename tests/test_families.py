@@ -36,6 +36,7 @@ SUPPORTED = {  # pipeline class -> family, written out here so that a lost or mi
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage-edit",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan-i2v",
     "ZImagePipeline": "zimage",
 }
 SIBLINGS = (  # same family namespace, other inputs (mask / control / source latents, first frames) or another model
@@ -49,8 +50,8 @@ SIBLINGS = (  # same family namespace, other inputs (mask / control / source lat
     "QwenImageEditPlusPipeline",
     "QwenImageImg2ImgPipeline",
     "QwenImageInpaintPipeline",
-    "WanImageToVideoPipeline",
     "WanVACEPipeline",
+    "WanVideoToVideoPipeline",
     "StableDiffusion3Img2ImgPipeline",
     "StableDiffusion3InpaintPipeline",
 )
@@ -81,9 +82,10 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         assert family_of_pipeline(pipe) is spec and pipeline_kind(pipe) == kind
         assert type(make_adapter(pipe)) is spec.adapter is adapters.ADAPTERS[kind]
         assert isinstance(pipe.transformer, spec.transformer_class)
-        assert spec.edits == (kind in ("flux-kontext", "qwenimage-edit")) and spec.video == (kind == "wan")
+        assert spec.edits == (kind in ("flux-kontext", "qwenimage-edit", "wan-i2v"))
+        assert spec.video == (kind in ("wan", "wan-i2v"))
     # The tables that used to be written out are derived from the registry.
-    assert pipelines.KINDS == available_families() and tuple(VIDEO_KINDS) == ("wan",)
+    assert pipelines.KINDS == available_families() and tuple(VIDEO_KINDS) == ("wan", "wan-i2v")
     assert pipelines.KIND_BY_CLASS_NAME == SUPPORTED
     assert tiny_sources() == {
         "tiny-sd3": "sd3",
@@ -97,6 +99,7 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         "tiny-qwenimage": "qwenimage",
         "tiny-qwenimage-edit": "qwenimage-edit",
         "tiny-wan": "wan",
+        "tiny-wan-i2v": "wan-i2v",
         "tiny-zimage": "zimage",
     }
 

@@ -153,8 +153,8 @@ def test_frame_counts_and_unsupported_pipelines_are_refused():
     assert _adapter(num_frames=9).latent_shape(32, 48) == (4, 3, 8, 12)
     with pytest.raises(ValueError, match="model.num_frames is for video pipelines"):
         make_adapter(build_tiny_pipeline("sd3"), num_frames=5)
-    with pytest.raises(ValueError, match="WanImageToVideoPipeline is not supported yet"):
-        make_adapter(type("WanImageToVideoPipeline", (), {})())
+    with pytest.raises(ValueError, match="WanVideoToVideoPipeline is not supported yet"):
+        make_adapter(type("WanVideoToVideoPipeline", (), {})())
     pipe = build_tiny_pipeline("wan")
     pipe.register_to_config(boundary_ratio=0.875)  # Wan2.2's two experts
     with pytest.raises(ValueError, match="Wan2.2"):

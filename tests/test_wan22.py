@@ -7,13 +7,12 @@ diffusers (one LoRA file per expert, ``load_into_transformer_2``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-from safetensors.torch import load_file
+from resume_helper import train_and_resume
 
 from flowgrpo.adapters import WanAdapter, make_adapter
 from flowgrpo.adapters.wan import WanExperts
@@ -228,43 +227,17 @@ def test_ti2v_per_token_timesteps_reproduce_pipe():
 
 
 def test_two_epochs_resume_exactly_and_export_loads_into_both_experts(tmp_path):
-    from flowgrpo.checkpoint import list_checkpoints
     from flowgrpo.config import WindowConfig
     from flowgrpo.evaluation import ode_sampler
     from flowgrpo.export import adapter_from_checkpoint, export_checkpoint, load_exported_lora, run_config
-    from flowgrpo.trainer import GRPOTrainer
 
     base = tmp_path / "base"
     _pipe(euler=False).save_pretrained(str(base))
-    common = [
-        f"model.pretrained={base}",
-        "model.guidance_scale_2=3.0",
-        "run.progress=false",
-        "train.lr=5e-2",
-        "eval.every=0",
-        "grpo.groups_per_epoch=2",
-        "sampler.batch_size=4",
-        "train.batch_size=4",
-    ]
-
-    def trainer(out, *overrides):
-        return GRPOTrainer(load_config(TINY, [f"run.output_dir={out}", *common, *overrides]))
-
-    full = trainer(tmp_path / "a", "run.epochs=2")
-    full.fit()
-    part = trainer(tmp_path / "b", "run.epochs=1")
-    part.fit()
-    resumed = trainer(tmp_path / "b", "run.epochs=2", f"run.resume={part.run_dir}")
-    assert resumed.state.epoch == 1
-    resumed.fit()
-    ckpt = list_checkpoints(full.run_dir)[-1]
-    a = load_file(str(ckpt / "adapter.safetensors"))
-    b = load_file(str(list_checkpoints(part.run_dir)[-1] / "adapter.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    overrides = [f"model.pretrained={base}", "model.guidance_scale_2=3.0", "run.progress=false", "train.lr=5e-2"]
+    overrides += ["eval.every=0", "grpo.groups_per_epoch=2", "sampler.batch_size=4", "train.batch_size=4"]
+    ckpt, a = train_and_resume(TINY, tmp_path, overrides)
     assert {k.split(".")[0] for k in a} == {"transformer", "transformer_2"}  # both experts trained
     assert all(a[k].abs().max() > 0 for k in a if "lora_B" in k and k.startswith("transformer_2.blocks.0"))
-    rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["train/onpolicy_ratio_dev"] == 0.0 for r in rows)
 
     export_checkpoint(ckpt, tmp_path / "lora")
     export_checkpoint(ckpt, tmp_path / "merged", merge=True)

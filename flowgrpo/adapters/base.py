@@ -32,6 +32,8 @@ class PromptEmbeds:
                      packed VAE latents, appended to the image sequence), or None (text-to-image)
     source_images:   [B, 3, h, w] editing only: the source images as the model sees them, float in [0, 1] on the CPU
                      (what rewards get as ``source_images``), or None
+    source_embeds:   [B, N, D] editing only: an image encoder's features of each row's source image, fed beside the text
+                     (Wan2.1 image-to-video: CLIP's penultimate hidden states), or None
     image_size:      [B, 2] long on the CPU: (height, width) in pixels of the image each row is generated at, set by
                      :meth:`PipelineAdapter.encode_conditions` (every rollout), or None. A packed token sequence
                      (FLUX, Qwen-Image) does not say whether it is 32x48 or 48x32 tokens: its positions come from here
@@ -45,6 +47,7 @@ class PromptEmbeds:
     negative_mask: Tensor | None = None
     source_latents: Tensor | None = None
     source_images: Tensor | None = None
+    source_embeds: Tensor | None = None
     image_size: Tensor | None = None
 
     def __len__(self) -> int:

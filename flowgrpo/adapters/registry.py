@@ -8,7 +8,7 @@ the tiny sources) is derived from here, so adding a family is one adapter module
     ))
 
 A pipeline is matched by its exact class (:func:`family_of_pipeline`): a sibling of a supported pipeline (FLUX's
-Fill / Control / Img2Img, Kontext's inpainting, Wan's image-to-video, ...) feeds its transformer inputs that the
+Fill / Control / Img2Img, Kontext's inpainting, Wan's video-to-video, ...) feeds its transformer inputs that the
 family's adapter never builds (mask or control latents, a first frame), so it is refused rather than run wrongly.
 
 A leaf: it imports neither ``flowgrpo.config`` (which imports it to validate ``model.kind``) nor diffusers' pipelines.
@@ -229,7 +229,7 @@ def unsupported_pipeline_message(pipe: Any) -> str:
     name = type(pipe).__name__
     return (
         f"{name} is not supported yet (no adapter drives it): the adapters drive exactly {supported_pipelines()}. "
-        "A sibling pipeline (inpainting, fill, control, img2img, image-to-video, Edit-Plus, ...) feeds its transformer "
+        "A sibling pipeline (inpainting, fill, control, img2img, video-to-video, Edit-Plus, ...) feeds its transformer "
         "inputs the family's adapter never builds; supporting one is a new family: an adapter module "
         "flowgrpo/adapters/<family>.py that registers its FamilySpec"
     )

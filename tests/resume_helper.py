@@ -1,0 +1,37 @@
+"""What the family tests' "train, resume and export" checks share (tests/test_wan22.py, test_wan_i2v.py): two epochs
+in one run against one epoch, a resume and the second, compared weight for weight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def train_and_resume(config: Path, out: Path, overrides: list[str]) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Train ``config`` (with ``overrides``) for 2 epochs, and for 1 epoch then resumed for the 2nd, under ``out``.
+    Asserts that both end with the same adapter weights and that every epoch trained exactly on-policy (the ratio
+    before the first update exactly 1). Returns the 2-epoch run's last checkpoint and its adapter weights."""
+    from flowgrpo.checkpoint import list_checkpoints
+    from flowgrpo.config import load_config
+    from flowgrpo.trainer import GRPOTrainer
+
+    def trainer(name: str, *more: str) -> GRPOTrainer:
+        return GRPOTrainer(load_config(config, [f"run.output_dir={out / name}", *overrides, *more]))
+
+    full = trainer("a", "run.epochs=2")
+    full.fit()
+    part = trainer("b", "run.epochs=1")
+    part.fit()
+    resumed = trainer("b", "run.epochs=2", f"run.resume={part.run_dir}")
+    assert resumed.state.epoch == 1
+    resumed.fit()
+    checkpoint = list_checkpoints(full.run_dir)[-1]
+    weights = load_file(str(checkpoint / "adapter.safetensors"))
+    again = load_file(str(list_checkpoints(part.run_dir)[-1] / "adapter.safetensors"))
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["train/onpolicy_ratio_dev"] == 0.0 for r in rows)
+    return checkpoint, weights
