@@ -657,6 +657,7 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
     check_diversity(config)  # grpo.advantage.diversity (GARDO)
     one_of("grpo.log_prob_reduce", g.log_prob_reduce, ("mean", "sum"))
     one_of("grpo.nan_policy", g.nan_policy, ("error", "drop"))
+    check_size(config.model)  # before the rollout's checks, whose messages read the size
     objective = get_objective(g.objective)
     _check_other_sections(config)
     objective.validate(config)
@@ -712,7 +713,6 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
             f"{t.inner_epochs}), or the last optimizer step of an epoch would be incomplete"
         )
     objective.validate_updates(config, optimizer_steps_per_epoch(config, world_size))
-    check_size(config.model)
 
 
 def check_size(model: ModelConfig) -> None:

@@ -252,6 +252,11 @@ def test_the_offline_store_records_height_and_width_and_refuses_another_size(tmp
     # Validation refuses it too, before anything loads.
     with pytest.raises(ConfigError, match=r"was sampled with model\.height=32, model\.width=48 .* this config has "):
         load_config(TINY, [*SMALL, *offline, "sampler.noise_level=0", f"sampler.offline.path={store}"])
+    # A half-set size is named as such before the store is compared (its message would read the size).
+    with pytest.raises(ConfigError, match=r"^model\.height=32 without model\.width"):
+        load_config(
+            TINY, [*SMALL, *offline, "sampler.noise_level=0", f"sampler.offline.path={store}", "model.height=32"]
+        )
     # A store written before model.height / width records model.resolution alone: read as a square.
     older = json.loads((store / INFO).read_text())
     older.pop("samples_sha256")
