@@ -51,7 +51,12 @@ LORA_EXPERTS = {"both": EXPERTS, "high_noise": ("transformer",), "low_noise": ("
 class WanExperts(torch.nn.Module):
     """Wan2.2's two experts as one module: what LoRA, the optimizer, EMA, checkpoints (``transformer.<...>`` and
     ``transformer_2.<...>``, the pipeline's component names) and DDP see. The experts are the pipeline's own modules,
-    so ``pipe()`` runs the same weights. :meth:`forward` runs the expert it is told (the adapter picks it)."""
+    so ``pipe()`` runs the same weights. :meth:`forward` runs the expert it is told (the adapter picks it).
+
+    It names no ``_no_split_modules``, so FSDP2's transformer-based wrapping shards it as one unit (gathered whole in
+    each forward): per-block units would issue each expert's own collectives, and processes whose micro-batches sit on
+    different experts (shuffled timesteps) would then run different ones. (Checked by hand, two CPU processes on the
+    tiny model: DDP and FSDP2 train; without the tie below DDP fails, with per-block units FSDP2 does.)"""
 
     def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, *, lora: Sequence[str]) -> None:
         super().__init__()
