@@ -45,6 +45,13 @@ Key sizes (see ``TINY_SIZES``):
   4 + 4 + 4 = 12 channels (noisy latents, first-frame mask, image latents) and Wan2.1 I2V's image branch fed by a
   tiny ``CLIPVisionModel`` (32² crops, patch 8: 17 tokens of 16); ``wan_i2v_components(wan22=True)``: Wan2.2 I2V's two
   experts without it (``boundary_ratio`` 0.9).
+- HunyuanVideo (``hunyuanvideo``, a ``HunyuanVideoPipeline``, text-to-video): an ``AutoencoderKLHunyuanVideo`` with the
+  real factors (spatial 8, temporal 4: ``num_frames = 4k + 1``) and 4 latent channels; a guidance-distilled
+  ``HunyuanVideoTransformer3DModel`` (patch 2 -> height / width multiples of 16, the pipeline's own rule; one
+  token-refiner, one dual- and one single-stream block); a 3-layer Llama (hidden 32) read through the pipeline's video
+  template with a Llama-3-style byte-level BPE whose template prefix is 95 tokens as the real tokenizer's (the pipeline
+  drops exactly 95), and CLIP's pooled output; FlowMatchEuler with HunyuanVideo's static shift 7. The pipeline's
+  default is 720x1280 with 129 frames: pass ``height`` / ``width`` / ``num_frames`` (32, 32, 5) for speed.
 - Z-Image (``zimage``, a ``ZImagePipeline``): FLUX's AutoencoderKL layout (4 latent channels, FLUX's scaling / shift
   factors) and a ``ZImageTransformer2DModel`` (dim 32, 2 heads of 16 = RoPE axes 4 + 6 + 6, patch 2: height / width
   multiples of 4, one noise- and one context-refiner block, 2 main blocks); a Qwen3 text encoder (hidden 32 = the
@@ -279,16 +286,21 @@ QWEN_EDIT_WORDS = (
 
 @functools.cache
 def _qwen_bpe(edit: bool = False) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """(vocab tokens in id order, merges) of a byte-level BPE trained on the words above (cached: built once).
+    """(vocab tokens in id order, merges) of a byte-level BPE trained on the words above (cached: built once)."""
+    text = QWEN_TEMPLATE_WORDS + " " + QWEN_EXTRA_WORDS + (" " + QWEN_EDIT_WORDS if edit else "")
+    return _byte_bpe((text.replace("<|im_start|>", "").replace("<|im_end|>", ""),))
+
+
+@functools.cache
+def _byte_bpe(texts: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(vocab tokens in id order, merges) of a byte-level BPE trained on ``texts``, each pre-tokenized on its own.
 
     Plain BPE training with a fixed tie-break (most frequent pair, then the smallest), run until every word is
     one token: deterministic, independent of the ``tokenizers`` version. The pre-tokenizer is Qwen2's own.
     """
     splitter = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer.pre_tokenizer
-    text = QWEN_TEMPLATE_WORDS + " " + QWEN_EXTRA_WORDS + (" " + QWEN_EDIT_WORDS if edit else "")
-    text = text.replace("<|im_start|>", "").replace("<|im_end|>", "")
     counts: dict[tuple[str, ...], int] = {}
-    for word, _ in splitter.pre_tokenize_str(text):
+    for word, _ in (piece for text in texts for piece in splitter.pre_tokenize_str(text)):
         key = tuple(word)
         counts[key] = counts.get(key, 0) + 1
     words = {key: list(key) for key in counts}
@@ -1001,6 +1013,125 @@ def wan_i2v_components(seed: int, vae: str = "kl", *, wan22: bool = False) -> di
         "transformer": _seeded(s + 5, lambda: _wan_transformer(in_channels=12, image_dim=16, added_kv_proj_dim=24)),
         "image_encoder": _seeded(s + 7, lambda: CLIPVisionModel(vision)),
         "image_processor": CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    }
+
+
+# HunyuanVideo's Llama-3 tokenizer in miniature: Llama-3's special tokens and pre-tokenizer split (its digits in runs of
+# up to 3, else Qwen2's), byte-level BPE, <|begin_of_text|> prepended. HunyuanVideoPipeline drops the first 95 tokens
+# (crop_start of DEFAULT_PROMPT_TEMPLATE): <|begin_of_text|> and the template up to the prompt, 95 tokens for the real
+# tokenizer, and each word of the template is one token of the tiny BPE too: the same 95 are dropped.
+LLAMA3_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+LLAMA_MAX_LENGTH = 512  # the tiny Llama's positions: 95 template tokens + HunyuanVideoPipeline's 256 + room
+
+
+def tiny_llama3_tokenizer() -> Any:
+    """A Llama-3-style byte-level BPE tokenizer (``PreTrainedTokenizerFast``, as Llama-3's own) whose vocabulary holds
+    HunyuanVideo's prompt template and the tiny prompts' words, one token each; padding on the right."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    texts = re.split("|".join(map(re.escape, LLAMA3_SPECIAL_TOKENS)), DEFAULT_PROMPT_TEMPLATE["template"])
+    vocab, merges = _byte_bpe((*texts, QWEN_EXTRA_WORDS))
+    ids = {token: i for i, token in enumerate(vocab + LLAMA3_SPECIAL_TOKENS)}
+    backend = Tokenizer(models.BPE(vocab=ids, merges=list(merges)))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    bos = LLAMA3_SPECIAL_TOKENS[0]
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, ids[bos])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>",
+        additional_special_tokens=list(LLAMA3_SPECIAL_TOKENS[2:]),
+        model_max_length=LLAMA_MAX_LENGTH,
+    )
+
+
+def hunyuanvideo_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``hunyuanvideo`` family's components (``HunyuanVideoPipeline``, text-to-video): HunyuanVideo's layout in
+    miniature. A guidance-distilled ``HunyuanVideoTransformer3DModel`` (patch 2 x 2, one frame; 2 heads of 16 = RoPE
+    axes 4 + 6 + 6 over (frame, row, column); one token-refiner, one dual- and one single-stream block); an
+    ``AutoencoderKLHunyuanVideo`` with the real factors (spatial 8, temporal 4: ``num_frames = 4k + 1``, sizes multiples
+    of 16) and scaling factor, 4 latent channels; a Llama of 3 layers (hidden 32; the pipeline reads
+    ``hidden_states[-3]``, the first layer's output) with the tiny Llama-3 tokenizer; CLIP's pooled output (hidden 32);
+    FlowMatchEuler with HunyuanVideo's static shift 7. ``vae``: only ``kl``. The pipeline's default is 720 x 1280
+    with 129 frames: pass ``height`` / ``width`` / ``num_frames`` (32, 32, 5) for speed."""
+    from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
+    from transformers import LlamaConfig, LlamaModel
+
+    if vae != "kl":
+        raise ValueError("the tiny hunyuanvideo pipeline has only vae='kl' (an AutoencoderKLHunyuanVideo)")
+    tok, tok_2 = tiny_llama3_tokenizer(), tiny_clip_tokenizer()
+    llama = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=LLAMA_MAX_LENGTH,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    s = seed * 16
+    return {
+        "transformer": _seeded(
+            s + 0,
+            lambda: HunyuanVideoTransformer3DModel(
+                in_channels=4,
+                out_channels=4,
+                num_attention_heads=2,
+                attention_head_dim=16,
+                num_layers=1,
+                num_single_layers=1,
+                num_refiner_layers=1,
+                mlp_ratio=2.0,
+                patch_size=2,
+                patch_size_t=1,
+                guidance_embeds=True,
+                text_embed_dim=32,  # the Llama's hidden size
+                pooled_projection_dim=32,  # CLIP's
+                rope_axes_dim=(4, 6, 6),
+            ),
+        ),
+        # Four blocks: three spatial down-samplings (8) and two temporal ones (4), as the real VAE.
+        "vae": _seeded(
+            s + 1,
+            lambda: AutoencoderKLHunyuanVideo(
+                latent_channels=4,
+                block_out_channels=(8, 8, 8, 8),
+                layers_per_block=1,
+                norm_num_groups=4,
+                scaling_factor=0.476986,
+                spatial_compression_ratio=8,
+                temporal_compression_ratio=4,
+            ),
+        ),
+        "text_encoder": _seeded(s + 2, lambda: LlamaModel(llama)),
+        "tokenizer": tok,
+        "text_encoder_2": _seeded(s + 3, lambda: CLIPTextModel(_clip_config(tok_2, 32, 32))),
+        "tokenizer_2": tok_2,
+        # FlowMatchEuler with HunyuanVideo's flow shift 7 (its sampling default; diffusers' HunyuanVideo tests too).
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=7.0),
     }
 
 
