@@ -120,6 +120,19 @@ def test_rescoring_the_stored_trajectory_gives_ratio_exactly_one(pipe, sampler_k
         assert torch.equal(again.log_prob, traj.log_probs[:, j])
 
 
+def test_the_dancegrpo_preset_holds_the_references_values():
+    """configs/hunyuanvideo_dancegrpo.yaml against DanceGRPO's finetune_hunyuan_grpo.sh (docs/recipes.md)."""
+    config = load_config(ROOT / "configs" / "hunyuanvideo_dancegrpo.yaml")
+    m, s, g = config.model, config.sampler, config.grpo
+    assert (m.size, m.num_frames, m.max_sequence_length) == ((480, 480), 53, 256)  # --h/--w 480, --t 53
+    assert (s.diffusion, s.noise_level, s.num_steps, s.time_shift) == ("dance", 0.25, 16, 5.0)  # --eta, --shift
+    assert (g.group_size, g.groups_per_epoch, g.clip_range, g.timestep_fraction) == (24, 32, 1e-4, 0.6)
+    assert sorted(m.lora.target_modules) == sorted(FASTVIDEO_TARGETS) and (m.lora.rank, m.lora.alpha) == (128, 256)
+    # guidance=torch.tensor([6018.0], dtype=bfloat16) there; guidance_scale · 1000 in the bf16 transformer here.
+    ours = torch.full((1,), s.guidance_scale, dtype=torch.bfloat16) * 1000.0
+    assert m.dtype == "bf16" and torch.equal(ours, torch.tensor([6018.0], dtype=torch.bfloat16))
+
+
 def _wrapped(transformer: torch.nn.Module) -> set[str]:
     return {n.split(".lora_A")[0] for n, _ in transformer.named_parameters() if ".lora_A." in n}
 
