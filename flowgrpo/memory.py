@@ -89,18 +89,22 @@ class MemoryEstimate:
 
 def geometry(adapter: Any, size: int | tuple[int, int]) -> Geometry:
     """The latent and pixel size of one sample of ``size`` pixels, ``(height, width)`` (an int: square), from the
-    adapter's latent shape at its smallest size (``size_multiple``) scaled by area: nothing of the configured size
-    is built."""
+    adapter's latent shape at that size when it is on the adapter's grid, else at its smallest size
+    (``size_multiple``) scaled by area: nothing of the configured size is built."""
     height, width = height_width(size)
     m = int(adapter.size_multiple)
-    small = tuple(int(d) for d in adapter.latent_shape(m, m))
-    elements = math.prod(small) * height * width // (m * m)
-    # The dimensions that grow with the image: the last two of (C, [F',] h, w); FLUX / Qwen-Image: the tokens.
-    grown = list(small)
-    if len(small) >= 3:
-        grown[-2:] = [small[-2] * height // m, small[-1] * width // m]
+    if height % m == 0 and width % m == 0:  # its own shape: LTX-2's audio tokens do not grow with the image
+        grown = [int(d) for d in adapter.latent_shape(height, width)]
+        elements = math.prod(grown)
     else:
-        grown[0] = small[0] * height * width // (m * m)
+        small = tuple(int(d) for d in adapter.latent_shape(m, m))
+        elements = math.prod(small) * height * width // (m * m)
+        # The dimensions that grow with the image: the last two of (C, [F',] h, w); FLUX / Qwen-Image: the tokens.
+        grown = list(small)
+        if len(small) >= 3:
+            grown[-2:] = [small[-2] * height // m, small[-1] * width // m]
+        else:
+            grown[0] = small[0] * height * width // (m * m)
     frames = int(getattr(adapter, "num_frames", 1) or 1)
     return Geometry(
         latent_elements=elements,

@@ -1135,6 +1135,162 @@ def hunyuanvideo_components(seed: int, vae: str = "kl") -> dict[str, object]:
     }
 
 
+def tiny_gemma_tokenizer() -> Any:
+    """A Gemma tokenizer (``GemmaTokenizer``: ``▁`` for spaces, ``<bos>`` first, as the real one) over single
+    characters: every prompt tokenizes, with Gemma's special tokens' ids (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2)."""
+    import string
+
+    from transformers import GemmaTokenizer  # only the LTX-2 build uses it
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    pieces = ["▁", *string.ascii_letters, *string.digits, *string.punctuation]
+    return GemmaTokenizer(vocab={t: i for i, t in enumerate(specials + pieces)}, merges=[], add_bos_token=True)
+
+
+def ltx2_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``ltx2`` family's components (``LTX2Pipeline``, text-to-video with audio), after diffusers' own tiny
+    LTX-2 test build (tests/pipelines/ltx2/test_ltx2.py): a Gemma-3 (hidden 16, 2 layers: 3 stacked hidden states,
+    a tiny SigLIP tower the pipeline never runs) with :func:`tiny_gemma_tokenizer`; LTX-2.0's connectors (one layer
+    per stream, no registers); a 2-block audio-visual transformer whose video tokens (4 latent channels, patch 1)
+    and audio tokens (2 channels x 2 latent mel bins) are both 4 wide, as LTX-2's are both 128; an
+    ``AutoencoderKLLTX2Video`` with two spatio-temporal stages (spatial and temporal factor 4: ``num_frames = 4k + 1``,
+    height / width multiples of 32 by the pipeline's own rule) and non-trivial ``latents_mean`` / ``latents_std`` /
+    ``scaling_factor``; the audio VAE (8 mel bins) and vocoder ``pipe()`` needs to build and to return audio; the
+    scheduler with the shift rule ``pipe()`` falls back to (base / max sequence 1024 / 4096, shifts 0.95 / 2.05),
+    dynamic. ``vae``: only ``kl``."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    if vae != "kl":
+        raise ValueError("the tiny ltx2 pipeline has only vae='kl' (an AutoencoderKLLTX2Video)")
+    tok = tiny_gemma_tokenizer()
+    text = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=2048,  # pipe() pads every prompt to 1024 tokens
+        sliding_window=64,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    gemma = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+
+    def video_vae() -> AutoencoderKLLTX2Video:
+        model = AutoencoderKLLTX2Video(
+            latent_channels=4,
+            block_out_channels=(8, 8),
+            decoder_block_out_channels=(8, 8),
+            layers_per_block=(1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1),
+            spatio_temporal_scaling=(True, True),
+            decoder_spatio_temporal_scaling=(True, True),
+            decoder_inject_noise=(False, False, False),
+            downsample_type=("spatiotemporal", "spatiotemporal"),
+            upsample_type=("spatiotemporal", "spatiotemporal"),
+            upsample_residual=(False, False),
+            upsample_factor=(1, 1),
+            patch_size=1,
+            patch_size_t=1,
+            scaling_factor=0.9,
+            decoder_causal=False,
+        )
+        with torch.no_grad():  # the per-channel statistics pipe() (de)normalises the latents by
+            model.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.05, 0.3]))
+            model.latents_std.copy_(torch.tensor([0.8, 1.3, 1.1, 0.6]))
+        return model
+
+    s = seed * 16
+    return {
+        "transformer": _seeded(
+            s + 0,
+            lambda: LTX2VideoTransformer3DModel(
+                in_channels=4,
+                out_channels=4,
+                num_attention_heads=2,
+                attention_head_dim=8,
+                cross_attention_dim=16,
+                vae_scale_factors=(4, 4, 4),  # the tiny VAE's (temporal, height, width) factors, for the positions
+                audio_in_channels=4,
+                audio_out_channels=4,
+                audio_num_attention_heads=2,
+                audio_attention_head_dim=4,
+                audio_cross_attention_dim=8,
+                num_layers=2,
+                caption_channels=16,
+                rope_double_precision=False,
+            ),
+        ),
+        "vae": _seeded(s + 1, video_vae),
+        "audio_vae": _seeded(
+            s + 2,
+            lambda: AutoencoderKLLTX2Audio(
+                base_channels=4,
+                output_channels=2,
+                ch_mult=(1,),
+                num_res_blocks=1,
+                attn_resolutions=None,
+                in_channels=2,
+                resolution=32,
+                latent_channels=2,
+                norm_type="pixel",
+                causality_axis="height",
+                mid_block_add_attention=False,
+                mel_bins=8,
+            ),
+        ),
+        "text_encoder": _seeded(s + 3, lambda: Gemma3ForConditionalGeneration(gemma)),
+        "tokenizer": tok,
+        "connectors": _seeded(
+            s + 4,
+            lambda: LTX2TextConnectors(
+                caption_channels=16,
+                text_proj_in_factor=3,  # Gemma's 2 layers + the embeddings
+                video_connector_num_attention_heads=2,
+                video_connector_attention_head_dim=8,
+                video_connector_num_layers=1,
+                video_connector_num_learnable_registers=None,
+                audio_connector_num_attention_heads=2,
+                audio_connector_attention_head_dim=8,
+                audio_connector_num_layers=1,
+                audio_connector_num_learnable_registers=None,
+                connector_rope_base_seq_len=32,
+                rope_double_precision=False,
+            ),
+        ),
+        "vocoder": _seeded(
+            s + 5,
+            lambda: LTX2Vocoder(
+                in_channels=16,  # the audio VAE's 2 output channels x 8 mel bins
+                hidden_channels=32,
+                out_channels=2,
+                upsample_kernel_sizes=[4, 4],
+                upsample_factors=[2, 2],
+                resnet_kernel_sizes=[3],
+                resnet_dilations=[[1, 3, 5]],
+                output_sampling_rate=16000,
+            ),
+        ),
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            use_dynamic_shifting=True,
+            base_shift=0.95,
+            max_shift=2.05,
+            base_image_seq_len=1024,
+            max_image_seq_len=4096,
+        ),
+    }
+
+
 def build_tiny_pipeline(
     kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, vae: Literal["kl", "tiny"] = "kl"
 ) -> DiffusionPipeline:

@@ -35,3 +35,24 @@ def train_and_resume(config: Path, out: Path, overrides: list[str]) -> tuple[Pat
     rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["train/onpolicy_ratio_dev"] == 0.0 for r in rows)
     return checkpoint, weights
+
+
+def export_and_sample(checkpoint: Path, out: Path, prompts: list[str], steps: int, height: int = 32, width: int = 32):
+    """Export ``checkpoint``'s LoRA to ``out / "lora"`` and merged into ``out / "merged"``, and sample ``prompts`` with
+    the checkpoint's own adapter noise-free (its evaluation sampler at ``steps`` steps, no window) from seeded noise.
+    Returns ``(adapter, initial latents, clips or images)``, to compare with plain diffusers loading the export."""
+    from flowgrpo.config import WindowConfig
+    from flowgrpo.evaluation import ode_sampler
+    from flowgrpo.export import adapter_from_checkpoint, export_checkpoint, run_config
+    from flowgrpo.rollout import rollout
+
+    export_checkpoint(checkpoint, out / "lora")
+    export_checkpoint(checkpoint, out / "merged", merge=True)
+    config = run_config(checkpoint)
+    adapter = adapter_from_checkpoint(config, checkpoint)
+    latents = adapter.initial_noise(len(prompts), height, width, generator=torch.Generator().manual_seed(0))
+    sampler = ode_sampler(config.eval)
+    sampler.num_steps, sampler.window = steps, WindowConfig(size=0)
+    groups = list(range(len(prompts)))
+    traj = rollout(adapter, prompts, groups, sampler, range(0, 0), height=height, width=width, initial_latents=latents)
+    return adapter, latents, traj.images

@@ -34,6 +34,7 @@ SUPPORTED = {  # pipeline class -> family, written out here so that a lost or mi
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2-klein",
     "HunyuanVideoPipeline": "hunyuanvideo",
+    "LTX2Pipeline": "ltx2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage-edit",
     "WanPipeline": "wan",
@@ -51,6 +52,8 @@ SIBLINGS = (  # same family namespace, other inputs (mask / control / source lat
     "HunyuanVideoImageToVideoPipeline",
     "HunyuanSkyreelsImageToVideoPipeline",
     "HunyuanVideoFramepackPipeline",
+    "LTX2ImageToVideoPipeline",
+    "LTX2ConditionPipeline",
     "QwenImageEditPlusPipeline",
     "QwenImageImg2ImgPipeline",
     "QwenImageInpaintPipeline",
@@ -87,9 +90,9 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         assert type(make_adapter(pipe)) is spec.adapter is adapters.ADAPTERS[kind]
         assert isinstance(pipe.transformer, spec.transformer_class)
         assert spec.edits == (kind in ("flux-kontext", "qwenimage-edit", "wan-i2v"))
-        assert spec.video == (kind in ("hunyuanvideo", "wan", "wan-i2v"))
+        assert spec.video == (kind in ("hunyuanvideo", "ltx2", "wan", "wan-i2v"))
     # The tables that used to be written out are derived from the registry.
-    assert pipelines.KINDS == available_families() and tuple(VIDEO_KINDS) == ("hunyuanvideo", "wan", "wan-i2v")
+    assert pipelines.KINDS == available_families() and tuple(VIDEO_KINDS) == ("hunyuanvideo", "ltx2", "wan", "wan-i2v")
     assert pipelines.KIND_BY_CLASS_NAME == SUPPORTED
     assert tiny_sources() == {
         "tiny-sd3": "sd3",
@@ -101,6 +104,7 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         "tiny-flux2": "flux2",
         "tiny-flux2-klein": "flux2-klein",
         "tiny-hunyuanvideo": "hunyuanvideo",
+        "tiny-ltx2": "ltx2",
         "tiny-qwenimage": "qwenimage",
         "tiny-qwenimage-edit": "qwenimage-edit",
         "tiny-wan": "wan",

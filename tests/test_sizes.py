@@ -42,6 +42,21 @@ NO_GUIDANCE = {"zimage": 0.0}
 # Pipelines whose ``latents`` take the adapter's packed tokens [B, (H/m)(W/m), C] unpacked, [B, C, H/m, W/m] (FLUX.2's
 # packing is a row-major reshape, flowgrpo/adapters/flux2.py); the other pipelines take the adapter's layout.
 UNPACKED_LATENTS = ("Flux2Pipeline", "Flux2KleinPipeline")
+# A family whose own grid is coarser than 16 samples a non-square size on it (LTX2Pipeline: multiples of 32).
+SIZE_OF = {"ltx2": (32, 64)}
+# pipe() options that turn off what a family's adapter does not run at guidance 1 (LTX-2: its audio CFG, STG, modality
+# guidance and rescale); such a pipeline takes the adapter's joint latents as video ``latents`` and ``audio_latents``.
+PIPE_OPTIONS = {
+    "LTX2Pipeline": dict(
+        audio_guidance_scale=1.0,
+        stg_scale=0.0,
+        audio_stg_scale=0.0,
+        modality_scale=1.0,
+        audio_modality_scale=1.0,
+        guidance_rescale=0.0,
+        audio_guidance_rescale=0.0,
+    )
+}
 
 
 # ---------------------------------------------------------------- the config
@@ -94,11 +109,13 @@ def _family_config(spec, tmp_path: Path):
     extra = ["model.num_frames=5"] if spec.video else []
     if spec.name in families_with_option("source_area"):
         extra.append("model.source_area=1024")
+    height, width = SIZE_OF.get(spec.name, (HEIGHT, WIDTH))
     return load_config(
         TINY,
         [
             f"model.pretrained=tiny-{spec.name}",
-            *SIZE,
+            f"model.height={height}",
+            f"model.width={width}",
             *SMALL,
             *extra,
             "sampler.noise_level=0",
@@ -117,15 +134,17 @@ def _euler(adapter) -> None:
         adapter.pipe.scheduler = adapter.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
 
 
-def _pipe_images(adapter, spec, prompts, sources, latents, steps, monkeypatch) -> torch.Tensor:
+def _pipe_images(adapter, spec, prompts, sources, latents, steps, monkeypatch, size) -> torch.Tensor:
     """diffusers' own ``pipe(height=32, width=48)`` from ``latents``, one image at a time; an editing family gets each
     source resized to W x H (Flow-GRPO's ``ref_image.resize``); options only some pipelines take are passed where
     the signature has them (Kontext's ``max_area`` / ``_auto_resize``, a video's ``num_frames``)."""
     pipe = adapter.pipe
     takes = inspect.signature(type(pipe).__call__).parameters
     guidance = NO_GUIDANCE.get(spec.name, 1.0)
-    options = {"num_inference_steps": steps, "guidance_scale": guidance, "height": HEIGHT, "width": WIDTH}
-    options.update({"max_area": HEIGHT * WIDTH, "_auto_resize": False} if "max_area" in takes else {})
+    height, width = size
+    options = {"num_inference_steps": steps, "guidance_scale": guidance, "height": height, "width": width}
+    options.update({"max_area": height * width, "_auto_resize": False} if "max_area" in takes else {})
+    options.update(PIPE_OPTIONS.get(type(pipe).__name__, {}))
     options.update({"num_frames": adapter.num_frames} if "num_frames" in takes else {})
     module = sys.modules[type(pipe).__module__]
     if hasattr(adapter, "source_area") and hasattr(module, "calculate_dimensions"):
@@ -134,10 +153,14 @@ def _pipe_images(adapter, spec, prompts, sources, latents, steps, monkeypatch) -
         monkeypatch.setattr(module, "calculate_dimensions", lambda area, ratio: original(adapter.source_area, ratio))
     if type(pipe).__name__ in UNPACKED_LATENTS:
         m = adapter.size_multiple
-        latents = latents.transpose(1, 2).reshape(len(latents), -1, HEIGHT // m, WIDTH // m)
+        latents = latents.transpose(1, 2).reshape(len(latents), -1, height // m, width // m)
+    audio = None
+    if type(pipe).__name__ in PIPE_OPTIONS:
+        latents, audio = adapter.split(latents)
     out = []
     for i, prompt in enumerate(prompts):
-        image = {} if sources is None else {"image": open_image(sources[i]).resize((WIDTH, HEIGHT))}
+        image = {} if sources is None else {"image": open_image(sources[i]).resize((width, height))}
+        image.update({} if audio is None else {"audio_latents": audio[i : i + 1].clone()})
         result = pipe(prompt=prompt, latents=latents[i : i + 1].clone(), output_type="pt", **image, **options)
         out.append(result.frames if spec.video else result.images)
     monkeypatch.undo()
@@ -152,7 +175,8 @@ def test_every_family_samples_the_configured_size_as_its_pipe(spec, tmp_path, mo
     context = rollout_context(config, adapter)
     trajectory = get_rollout(config.sampler.rollout)(context).collect(0).trajectory
     images = trajectory.images
-    assert (trajectory.height, trajectory.width) == (HEIGHT, WIDTH) and images.shape[-2:] == (HEIGHT, WIDTH)
+    size = SIZE_OF.get(spec.name, (HEIGHT, WIDTH))
+    assert (trajectory.height, trajectory.width) == size and images.shape[-2:] == size
     assert trajectory.step_indices[:, 0].eq(0).all()  # latents[:, 0]: the initial noise
     indices = [slot.prompt_index for slot in context.epoch_slots(0)]
     expected = _pipe_images(
@@ -163,6 +187,7 @@ def test_every_family_samples_the_configured_size_as_its_pipe(spec, tmp_path, mo
         trajectory.latents[:, 0],
         config.sampler.num_steps,
         monkeypatch,
+        size,
     )
     assert expected.shape == images.shape
     torch.testing.assert_close(images, expected, rtol=0, atol=1e-5)
