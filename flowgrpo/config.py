@@ -104,9 +104,10 @@ class ModelConfig:
     num_frames: int | None = None  # video models (wan) only: frames per clip, 4k + 1 (the Wan VAE keeps the first
     #                                frame and packs every 4 after it into one latent frame); null: the pipeline's
     #                                default, 81. Image models: leave null
-    source_area: int = 1024 * 1024  # qwenimage-edit only: the source image is sized to about this many pixels at its
-    #                                 aspect ratio, calculate_dimensions(source_area, W / H), for the Qwen2.5-VL and
-    #                                 the VAE alike: QwenImageEditPipeline's 1024² (as Flow-GRPO). Tiny models: 1024
+    source_area: int = 1024 * 1024  # qwenimage-edit(-plus) only: the source image is sized to about this many pixels
+    #                                 at its aspect ratio, calculate_dimensions(source_area, W / H), for the Qwen2.5-VL
+    #                                 and the VAE alike: QwenImageEditPipeline's 1024² (as Flow-GRPO); Edit-Plus: for
+    #                                 the VAE only (its VAE_IMAGE_SIZE; Qwen2.5-VL reads 384², as pipe()). Tiny: 1024
     guidance_scale_2: float | None = None  # wan / wan-i2v with Wan2.2's two experts only: the CFG scale of the
     #                                        low-noise expert's steps (transformer_2), pipe(guidance_scale_2=...);
     #                                        null: the sampler's / evaluation's guidance_scale, as pipe()

@@ -2,9 +2,12 @@
 
 Image editing: a ``.jsonl`` row may name a source image, ``{"prompt": "make the cat blue", "image": "imgs/cat.png"}``
 (``instruction`` is accepted for ``prompt``; the path is relative to the prompt file, as in Flow-GRPO's editing
-datasets). Every image is opened, decoded and converted to 8-bit RGB when the file is read (:func:`to_rgb` says how
-each PIL mode is converted: 16-bit and float grayscale are scaled, transparency is composited onto white, CMYK is
-converted by formula), so a missing, broken or unconvertible one stops the run before any work, with its file and
+datasets). A model that takes several images per prompt (Qwen-Image-Edit-Plus) reads a list of paths there,
+``{"prompt": "put the cat on the sofa", "image": ["imgs/cat.png", "imgs/sofa.png"]}``, in order (its "Picture 1",
+"Picture 2", ...); every row of a file gives the same number, since a batch stacks each prompt's images (a one-path
+list is the path). Every image is opened, decoded and converted to 8-bit RGB when the file is read (:func:`to_rgb`
+says how each PIL mode is converted: 16-bit and float grayscale are scaled, transparency is composited onto white, CMYK
+is converted by formula), so a missing, broken or unconvertible one stops the run before any work, with its file and
 line; the conversions that change what a plain ``convert("RGB")`` would give are listed in
 :attr:`PromptDataset.notes`. The images are read again at rollout time; one that changed since is reported with the
 row that names it (:class:`SourceImage`).
@@ -55,7 +58,8 @@ class PromptDataset:
     """Prompts with per-prompt metadata (passed to rewards, e.g. GenEval's tags / OCR targets).
 
     sources: editing datasets only — each prompt's source image file (resolved, checked readable and convertible, a
-             :class:`SourceImage` that knows its row); None otherwise.
+             :class:`SourceImage` that knows its row), or with several images per prompt a tuple of them, the same
+             number for every prompt; None otherwise.
     notes:   one line per kind of conversion the source images needed beyond a plain RGB decode (transparency
              composited onto white, 16-bit or float scaled, CMYK converted, EXIF orientation applied), with a count
              and the first row; for the trainer to print. Empty for a text-to-image dataset.
@@ -64,20 +68,28 @@ class PromptDataset:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     path: str = ""
-    sources: list[str] | None = None
+    sources: list[str] | list[tuple[str, ...]] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def sources_of(self, indices: Sequence[int]) -> list[str] | None:
+    @property
+    def sources_per_prompt(self) -> int:
+        """How many source images each prompt gives: 0 (text-to-image), 1, or the length of every row's list."""
+        if self.sources is None:
+            return 0
+        first = self.sources[0]
+        return len(first) if isinstance(first, tuple) else 1
+
+    def sources_of(self, indices: Sequence[int]) -> list[str] | list[tuple[str, ...]] | None:
         """The source images of prompts ``indices`` (a rollout batch); None for a text-to-image dataset."""
         return None if self.sources is None else [self.sources[i] for i in indices]
 
     @classmethod
     def from_file(cls, path: str | Path, key: str = "data.train") -> PromptDataset:
         """``.txt``: one prompt a line (blank lines skipped); ``.jsonl``: ``{"prompt": ..., **metadata}``, for editing
-        with an ``"image"`` path (relative to the file) on every row."""
+        with an ``"image"`` path (relative to the file), or a list of them, on every row."""
         path = Path(path)
         text = _read_prompt_file(path, key)
         prompts: list[str] = []
@@ -110,12 +122,17 @@ class PromptDataset:
         return cls(prompts, metadata, str(path), sources, notes)
 
 
-def _source_images(images: list[tuple[int, Any]], path: Path, key: str, notes: list[str]) -> list[str]:
-    """Each row's source image, resolved against the prompt file's folder; every problem named by file and line.
-    Appends to ``notes`` one line per kind of conversion the images needed (with a count and the first row)."""
-    sources: list[str] = []
+def _source_images(
+    images: list[tuple[int, Any]], path: Path, key: str, notes: list[str]
+) -> list[str] | list[tuple[str, ...]]:
+    """Each row's source image (a path, or a list of paths: a tuple of them when rows give several), resolved against
+    the prompt file's folder; every problem named by file and line, and rows giving different numbers of images
+    refused. Appends to ``notes`` one line per kind of conversion the images needed (with a count and the first
+    row)."""
+    sources: list[tuple[str, ...]] = []
     problems: list[str] = []
     converted: dict[str, list[str]] = {}  # conversion note -> the rows whose image needed it
+    counts: dict[int, list[int]] = {}  # images per row -> the rows giving that many
     for number, value in images:
         if value is None:
             problems.append(
@@ -123,23 +140,42 @@ def _source_images(images: list[tuple[int, Any]], path: Path, key: str, notes: l
                 "every row a source image)"
             )
             continue
-        if not isinstance(value, str) or not value.strip():
-            problems.append(f'{path}:{number}: "{IMAGE_FIELD}" must be an image file path, got {value!r}')
+        values = value if isinstance(value, list) and value else [value]
+        if not all(isinstance(v, str) and v.strip() for v in values):
+            problems.append(
+                f'{path}:{number}: "{IMAGE_FIELD}" must be an image file path, got {value!r} (or a non-empty list of '
+                "paths: several images per prompt)"
+            )
             continue
-        file = path.parent / value
-        try:
-            _, conversions = _read_source(file)
-        except _Unusable as err:
-            problems.append(f"{path}:{number}: image {value!r} {err}")
-            continue
-        for note in conversions:
-            converted.setdefault(note, []).append(f"{path}:{number}")
-        sources.append(SourceImage(_resolved(file), f"{key}: {path}:{number}"))
+        row: list[str] = []
+        for v in values:
+            file = path.parent / v
+            try:
+                _, conversions = _read_source(file)
+            except _Unusable as err:
+                problems.append(f"{path}:{number}: image {v!r} {err}")
+                continue
+            for note in conversions:
+                converted.setdefault(note, []).append(f"{path}:{number}")
+            row.append(SourceImage(_resolved(file), f"{key}: {path}:{number}"))
+        counts.setdefault(len(values), []).append(number)
+        sources.append(tuple(row))
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise DataError(f"{key}: {len(problems)} editing row(s) without a usable source image: {shown}")
+    if len(counts) > 1:
+        shown = ", ".join(
+            f"{n} at {path}:{rows[0]}" + (f" (+{len(rows) - 1} rows)" if len(rows) > 1 else "")
+            for n, rows in sorted(counts.items())
+        )
+        raise DataError(
+            f"{key}: the rows of {path} give different numbers of source images ({shown}): a batch stacks each "
+            "prompt's images, so every row gives the same number; split the file by count"
+        )
     notes.extend(f"{key}: {len(rows)} source image(s) {note} (first: {rows[0]})" for note, rows in converted.items())
-    return sources
+    if counts and next(iter(counts)) > 1:
+        return sources
+    return [row[0] for row in sources]  # one image per row: its path, as a model taking one source expects
 
 
 class _Unusable(Exception):
@@ -388,7 +424,8 @@ def check_editing(datasets: dict[str, PromptDataset | None], *, reward: Any = No
     """Refuse, before any work, prompt files that do not fit image editing: a reward that compares edits with their
     source images (``reward.needs_source_images``) on prompts without any, or source images for a model that cannot
     take them (``adapter.edits`` false), or prompts without any for a model that needs them
-    (``adapter.requires_sources``: Qwen-Image-Edit). ``datasets``: config key -> dataset (None: not configured)."""
+    (``adapter.requires_sources``: Qwen-Image-Edit), or more images per prompt than the model takes
+    (``adapter.max_sources``; None: any number). ``datasets``: config key -> dataset (None: not configured)."""
     needs = list(getattr(reward, "needs_source_images", None) or [])
     for key, data in datasets.items():
         if data is None:
@@ -410,6 +447,16 @@ def check_editing(datasets: dict[str, PromptDataset | None], *, reward: Any = No
             raise DataError(
                 f"{key}: {adapter.family} edits images and cannot generate from text alone, but {data.path} gives no "
                 f'source images: use an editing prompt file (.jsonl rows with an "{IMAGE_FIELD}" path)'
+            )
+        most = getattr(adapter, "max_sources", 1)
+        if adapter is not None and most is not None and data.sources_per_prompt > most:
+            from .adapters.registry import families
+
+            several = " or ".join(spec.name for spec in families() if spec.adapter.max_sources != 1)
+            raise DataError(
+                f"{key}: {data.path} gives {data.sources_per_prompt} source images per prompt (a list in "
+                f'"{IMAGE_FIELD}"), but {adapter.family} takes {most}: use a model that reads several (model.kind '
+                f'{several or "qwenimage-edit-plus"}), or one "{IMAGE_FIELD}" path per row'
             )
 
 

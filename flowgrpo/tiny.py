@@ -32,6 +32,10 @@ Key sizes (see ``TINY_SIZES``):
   also knows the edit template, whose system part is 64 tokens as with the real tokenizer (the pipeline drops 64).
   Its ``pipe()`` sizes the source to about 1024² pixels whatever the output size, slow at tiny sizes: the tiny demo
   sets ``model.source_area: 1024`` (32²), and tests swap that area into ``pipe()``'s ``calculate_dimensions``.
+- Qwen-Image-Edit-Plus (``qwenimage-edit-plus``, a ``QwenImageEditPlusPipeline``, several source images per prompt):
+  the Qwen-Image-Edit components, its processor reading each picture at 32² pixels at most. ``pipe()`` sizes every
+  source for the VAE to about ``VAE_IMAGE_SIZE`` = 1024² pixels: the tiny demo sets ``model.source_area: 1024`` and
+  tests swap that area into the pipeline module's ``VAE_IMAGE_SIZE``.
 - Wan2.1 (``wan``, a ``WanPipeline``, text-to-video): an ``AutoencoderKLWan`` with z_dim 4 (the first 4 of the real
   latents_mean / latents_std), two down-sampling stages that both halve time too -> spatial factor 4, temporal factor
   4 as the real VAE (``num_frames = 4k + 1``: 5 frames are 2 latent frames); a ``WanTransformer3DModel`` with patch
@@ -793,12 +797,12 @@ def _qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGen
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
+def _qwen_processor(tokenizer: Qwen2Tokenizer, max_pixels: int = 64 * 64) -> Qwen2VLProcessor:
     """What Qwen-Image-Edit's text encoder reads the source image through: Qwen2.5-VL's processor with the tiny vision
-    tower's patching (2x2 patches, 2 frames, 2x2 merge) and images kept between 16² and 64² pixels (the real one:
-    14x14 patches, 56² to 3584²)."""
+    tower's patching (2x2 patches, 2 frames, 2x2 merge) and images kept between 16² and ``max_pixels`` pixels (the
+    real one: 14x14 patches, 56² to 3584²)."""
     patching = {"patch_size": 2, "temporal_patch_size": 2, "merge_size": 2}
-    images = Qwen2VLImageProcessor(**patching, min_pixels=16 * 16, max_pixels=64 * 64)
+    images = Qwen2VLImageProcessor(**patching, min_pixels=16 * 16, max_pixels=max_pixels)
     videos = Qwen2VLVideoProcessor(**patching)  # unused, but the processor needs one
     return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos)
 
@@ -865,6 +869,14 @@ def qwenimage_components(seed: int, vae: str = "kl", edit: bool = False) -> dict
 def qwenimage_edit_components(seed: int, vae: str = "kl") -> dict[str, object]:
     """The tiny ``qwenimage-edit`` family's components: :func:`qwenimage_components` with ``edit=True``."""
     return qwenimage_components(seed, vae, edit=True)
+
+
+def qwenimage_edit_plus_components(seed: int, vae: str = "kl") -> dict[str, object]:
+    """The tiny ``qwenimage-edit-plus`` family's components: ``qwenimage-edit``'s (the same weights), with a processor
+    that reads each picture at 32² pixels at most (64 tokens): ``pipe()`` hands it 384²-pixel pictures, several per
+    prompt, which the edit processor would read at 64² (256 tokens each)."""
+    components = qwenimage_components(seed, vae, edit=True)
+    return {**components, "processor": _qwen_processor(components["tokenizer"], max_pixels=32 * 32)}
 
 
 def _umt5_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:

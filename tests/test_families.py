@@ -37,6 +37,7 @@ SUPPORTED = {  # pipeline class -> family, written out here so that a lost or mi
     "LTX2Pipeline": "ltx2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage-edit",
+    "QwenImageEditPlusPipeline": "qwenimage-edit-plus",
     "WanPipeline": "wan",
     "WanImageToVideoPipeline": "wan-i2v",
     "ZImagePipeline": "zimage",
@@ -54,7 +55,6 @@ SIBLINGS = (  # same family namespace, other inputs (mask / control / source lat
     "HunyuanVideoFramepackPipeline",
     "LTX2ImageToVideoPipeline",
     "LTX2ConditionPipeline",
-    "QwenImageEditPlusPipeline",
     "QwenImageImg2ImgPipeline",
     "QwenImageInpaintPipeline",
     "WanVACEPipeline",
@@ -89,7 +89,7 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         assert family_of_pipeline(pipe) is spec and pipeline_kind(pipe) == kind
         assert type(make_adapter(pipe)) is spec.adapter is adapters.ADAPTERS[kind]
         assert isinstance(pipe.transformer, spec.transformer_class)
-        assert spec.edits == (kind in ("flux-kontext", "qwenimage-edit", "wan-i2v"))
+        assert spec.edits == (kind in ("flux-kontext", "qwenimage-edit", "qwenimage-edit-plus", "wan-i2v"))
         assert spec.video == (kind in ("hunyuanvideo", "ltx2", "wan", "wan-i2v"))
     # The tables that used to be written out are derived from the registry.
     assert pipelines.KINDS == available_families() and tuple(VIDEO_KINDS) == ("hunyuanvideo", "ltx2", "wan", "wan-i2v")
@@ -107,6 +107,7 @@ def test_every_supported_pipeline_class_maps_to_its_family():
         "tiny-ltx2": "ltx2",
         "tiny-qwenimage": "qwenimage",
         "tiny-qwenimage-edit": "qwenimage-edit",
+        "tiny-qwenimage-edit-plus": "qwenimage-edit-plus",
         "tiny-wan": "wan",
         "tiny-wan-i2v": "wan-i2v",
         "tiny-zimage": "zimage",

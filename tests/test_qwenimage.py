@@ -137,7 +137,7 @@ def test_lora_targets_are_the_blocks_attention_and_mlp_layers():
 
 
 def test_unsupported_qwen_image_pipelines_and_options_are_refused():
-    for name in ("QwenImageEditPlusPipeline", "QwenImageImg2ImgPipeline"):  # QwenImageEditPipeline: qwenimage-edit
+    for name in ("QwenImageInpaintPipeline", "QwenImageImg2ImgPipeline"):  # the Edit pipelines: their own families
         with pytest.raises(ValueError, match=f"{name} is not supported yet.*QwenImagePipeline"):
             make_adapter(type(name, (), {})())
     pipe = build_tiny_pipeline("qwenimage")

@@ -137,7 +137,8 @@ def test_sources_are_sized_to_the_pipelines_area_whatever_the_output_size():
         _adapter().source_size(32, 128)
     tiny = load_config(TINY).model
     assert tiny.source_area == TINY_AREA and build_adapter(tiny).source_size(48, 32) == (32, 32)
-    refused = "model.source_area=1024 is an option of qwenimage-edit only, but the model is qwenimage"
+    refused = "model.source_area=1024 is an option of qwenimage-edit, qwenimage-edit-plus only, but the model is "
+    refused += "qwenimage"
     with pytest.raises(ConfigError, match=refused + r" \(QwenImagePipeline\): remove model.source_area"):
         make_adapter(build_tiny_pipeline("qwenimage"), source_area=TINY_AREA)
     with pytest.raises(ConfigError, match=refused):

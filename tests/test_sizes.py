@@ -57,6 +57,9 @@ PIPE_OPTIONS = {
         audio_guidance_rescale=0.0,
     )
 }
+# Pipelines that size their sources for the VAE by a module constant (the area model.source_area replaces) rather than
+# by what they hand calculate_dimensions: the tiny area goes there (Edit-Plus also sizes its text encoder's pictures).
+SOURCE_AREA_CONSTANT = {"QwenImageEditPlusPipeline": "VAE_IMAGE_SIZE"}
 
 
 # ---------------------------------------------------------------- the config
@@ -147,7 +150,9 @@ def _pipe_images(adapter, spec, prompts, sources, latents, steps, monkeypatch, s
     options.update(PIPE_OPTIONS.get(type(pipe).__name__, {}))
     options.update({"num_frames": adapter.num_frames} if "num_frames" in takes else {})
     module = sys.modules[type(pipe).__module__]
-    if hasattr(adapter, "source_area") and hasattr(module, "calculate_dimensions"):
+    if type(pipe).__name__ in SOURCE_AREA_CONSTANT:
+        monkeypatch.setattr(module, SOURCE_AREA_CONSTANT[type(pipe).__name__], adapter.source_area)
+    elif hasattr(adapter, "source_area") and hasattr(module, "calculate_dimensions"):
         # Qwen-Image-Edit sizes its source to calculate_dimensions(1024², ratio): the tiny model's area there.
         original = module.calculate_dimensions
         monkeypatch.setattr(module, "calculate_dimensions", lambda area, ratio: original(adapter.source_area, ratio))

@@ -120,6 +120,7 @@ class PipelineAdapter:
     default_lora_targets: ClassVar[tuple[str, ...]]
     uses_cfg: ClassVar[bool]  # classifier-free guidance with a negative prompt (SD3), or not (FLUX)
     edits: ClassVar[bool] = False  # takes a source image per prompt (FLUX.1-Kontext); see encode_conditions
+    max_sources: ClassVar[int | None] = 1  # editing: source images per prompt it takes (None: any number, Edit-Plus)
     schedule_family: ClassVar[str | None] = None  # how pipe() sets its sigmas (samplers.pipeline_schedule): "sd3" |
     # "flux"; None: the family's own name
     # After a reset of the KL's reference (grpo.kl.reset_every, flowgrpo.objectives.reference): the snapshot of the
@@ -288,6 +289,12 @@ class PipelineAdapter:
                 'prompt file): use an editing pipeline (FLUX.1-Kontext), or prompts without an "image" field'
             )
         self.check_size(height, width)
+        several = next((s for s in sources if isinstance(s, list | tuple)), None)
+        if several is not None:
+            raise ValueError(
+                f"{self.family} takes one source image per prompt, got a list of {len(several)}: give one image per "
+                "prompt, or use a model that reads several (qwenimage-edit-plus)"
+            )
         keys = [(image_key(s), height, width) for s in sources]
         missing = {k: s for k, s in zip(keys, sources, strict=True) if k not in self._source_cache}
         if missing:

@@ -224,7 +224,7 @@ def _pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
 SPEC = register_family(
     FamilySpec(
         name="qwenimage",
-        pipelines=("QwenImagePipeline",),  # text-to-image; the Edit-Plus / inpaint / ControlNet / layered siblings: no
+        pipelines=("QwenImagePipeline",),  # text-to-image; the inpaint / ControlNet / layered siblings: no
         transformer="QwenImageTransformer2DModel",
         adapter=QwenImageAdapter,
         tiny="flowgrpo.tiny:qwenimage_components",  # its own AutoencoderKLQwenImage only (no -taesd)

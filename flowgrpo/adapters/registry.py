@@ -229,7 +229,7 @@ def unsupported_pipeline_message(pipe: Any) -> str:
     name = type(pipe).__name__
     return (
         f"{name} is not supported yet (no adapter drives it): the adapters drive exactly {supported_pipelines()}. "
-        "A sibling pipeline (inpainting, fill, control, img2img, video-to-video, Edit-Plus, ...) feeds its transformer "
+        "A sibling pipeline (inpainting, fill, control, img2img, video-to-video, ...) feeds its transformer "
         "inputs the family's adapter never builds; supporting one is a new family: an adapter module "
         "flowgrpo/adapters/<family>.py that registers its FamilySpec"
     )
