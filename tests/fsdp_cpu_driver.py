@@ -13,29 +13,37 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import accelerate.state as accelerate_state
 from accelerate.utils import DistributedType
 
 ROOT = Path(__file__).resolve().parent.parent
-_init = accelerate_state.AcceleratorState.__init__
 
 
-def _fsdp_on_cpu(self, *args, **kwargs):
-    _init(self, *args, **kwargs)
-    plugin = kwargs.get("fsdp_plugin")
-    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and plugin is not None:
-        if self.distributed_type == DistributedType.MULTI_CPU:
-            # Every later AcceleratorState() copies the process state over its own: switch both.
-            accelerate_state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = plugin
+def fsdp_on_cpu_init(*without_gpus: DistributedType) -> Callable[..., None]:
+    """An ``AcceleratorState.__init__`` that picks FSDP, with the launch's plugin, where accelerate picks one of
+    ``without_gpus`` (a launch: MULTI_CPU; a test inside pytest: NO, one process without a process group)."""
+    init = accelerate_state.AcceleratorState.__init__
+
+    def fsdp_on_cpu(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if os.environ.get("ACCELERATE_USE_FSDP") == "true" and plugin is not None:
+            if self.distributed_type in without_gpus:
+                # Every later AcceleratorState() copies the process state over its own: switch both.
+                accelerate_state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                self.distributed_type = DistributedType.FSDP
+                self.fsdp_plugin = plugin
+
+    return fsdp_on_cpu
 
 
-accelerate_state.AcceleratorState.__init__ = _fsdp_on_cpu
-sys.path.insert(0, str(ROOT / "tests"))
-from loss_driver import install, run_training  # noqa: E402
+if __name__ == "__main__":
+    accelerate_state.AcceleratorState.__init__ = fsdp_on_cpu_init(DistributedType.MULTI_CPU)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from loss_driver import install, run_training
 
-install()  # FLOWGRPO_TEST_LOSS, as in loss_driver.py
-run_training()
+    install()  # FLOWGRPO_TEST_LOSS, as in loss_driver.py
+    run_training()

@@ -1,5 +1,6 @@
 """Two processes on the CPU through ``accelerate launch``: DDP, DeepSpeed ZeRO-2 and FSDP2 (groups across
-ranks, weights in sync, exact resume, each back-end trains like DDP, non-finite losses, refused launches).
+ranks, weights in sync, exact resume, each back-end trains like DDP, non-finite losses, refused launches: those
+set up in this process from the environment accelerate's launcher builds, and one launched for real).
 
 FSDP runs through tests/fsdp_cpu_driver.py, which lets accelerate select FSDP on the CPU (it does so only on
 GPUs); everything else is accelerate's and torch's own FSDP2 code."""
@@ -323,6 +324,48 @@ def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
         assert all(torch.equal(nan[k], zero[k]) for k in nan), f"rank {rank}"
 
 
+def _refusal_in_process(launcher: list[str], tmp_path: Path, monkeypatch, *overrides: str) -> str:
+    """The trainer's setup in this process as ``accelerate launch <launcher> scripts/train.py`` starts it on one
+    process, and the ConfigError it raises. The environment is the one accelerate's own launcher builds from the
+    flags (its process start, torchrun, replaced by a capture); FSDP is selected on the CPU as fsdp_cpu_driver.py
+    selects it; accelerate's process-wide state is set aside for the trainer's Accelerator and put back after.
+    test_a_refused_launch_exits_before_the_run_directory launches one such refusal for real."""
+    import accelerate.commands.launch as accelerate_launch
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+    from fsdp_cpu_driver import fsdp_on_cpu_init
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.trainer import GRPOTrainer
+
+    launched: dict[str, str] = {}
+    monkeypatch.setattr(accelerate_launch, "_run_torchrun", lambda args: launched.update(os.environ))
+    parser = accelerate_launch.launch_command_parser()
+    accelerate_launch.launch_command(parser.parse_args([*launcher, *FREE_PORT, "scripts/train.py"]))
+    assert launched, "accelerate's launcher did not reach torchrun"
+    for key, value in launched.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(AcceleratorState, "__init__", fsdp_on_cpu_init(DistributedType.NO))
+    states = [(s, dict(s._shared_state)) for s in (PartialState, AcceleratorState, GradientState)]
+    for state, _ in states:
+        state._shared_state.clear()
+    try:
+        config = load_config(TINY, [f"run.output_dir={tmp_path}", *COMMON, *overrides])
+        with pytest.raises(ConfigError) as refused:
+            GRPOTrainer(config)
+    finally:
+        for state, saved in states:  # the objects other tests hold share these dictionaries
+            state._shared_state.clear()
+            state._shared_state.update(saved)
+        unset_hf_deepspeed_config()  # a ZeRO-3 plugin registers itself with transformers (zero3 from_pretrained)
+    return str(refused.value)
+
+
+ONE_DEEPSPEED_PROCESS = ["--use_deepspeed", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+
+
 @pytest.mark.parametrize(
     "stage, precision, message",
     [
@@ -331,46 +374,30 @@ def test_deepspeed_nonfinite_loss_on_the_sync_step_adds_nothing(tmp_path):
         ("2", "bf16", "launch with mixed_precision 'no'"),
     ],
 )
-def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, stage, precision, message):
+def test_unsupported_deepspeed_launches_are_refused_with_the_fix(tmp_path, monkeypatch, stage, precision, message):
     pytest.importorskip("deepspeed")
-    launcher = [
-        "--use_deepspeed",
-        "--zero_stage",
-        stage,
-        "--num_processes",
-        "1",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        precision,
-        "--dynamo_backend",
-        "no",
-    ]
-    result = _launch(launcher, tmp_path)
-    assert result.returncode != 0
-    assert message in " ".join(result.stderr.split())
+    launcher = [*ONE_DEEPSPEED_PROCESS, "--zero_stage", stage, "--mixed_precision", precision]
+    assert message in _refusal_in_process(launcher, tmp_path, monkeypatch)
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
 
 
-def test_nft_is_refused_under_deepspeed_with_the_fix(tmp_path):
+def test_nft_is_refused_under_deepspeed_with_the_fix(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed")
-    launcher = [
-        "--use_deepspeed",
-        "--zero_stage",
-        "2",
-        "--num_processes",
-        "1",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-    ]
-    result = _launch(launcher, tmp_path, *NFT)
-    assert result.returncode != 0
-    assert "under DeepSpeed or FSDP use grpo.objective: awm" in " ".join(result.stderr.split())
+    launcher = [*ONE_DEEPSPEED_PROCESS, "--zero_stage", "2", "--mixed_precision", "no"]
+    refusal = _refusal_in_process(launcher, tmp_path, monkeypatch, *NFT)
+    assert "under DeepSpeed or FSDP use grpo.objective: awm" in refusal
     assert not list(tmp_path.iterdir())  # refused before the run directory was made
+
+
+def test_a_refused_launch_exits_before_the_run_directory(tmp_path):
+    """One refusal through a real ``accelerate launch``: the wiring the in-process refusals above rely on (the
+    launch's flags reach the trainer's checks, which run before the run directory exists, and the message reaches
+    stderr with a failing exit code)."""
+    pytest.importorskip("deepspeed")
+    result = _launch([*ONE_DEEPSPEED_PROCESS, "--zero_stage", "3", "--mixed_precision", "no"], tmp_path)
+    assert result.returncode != 0
+    assert "ZeRO-3 shards the frozen base weights" in " ".join(result.stderr.split())
+    assert not list(tmp_path.iterdir())
 
 
 def test_deepspeed_is_refused_with_an_accelerate_that_steps_after_every_backward(monkeypatch):
@@ -497,7 +524,7 @@ def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
         (["--fsdp_version", "2", "--mixed_precision", "bf16"], "launch with mixed_precision 'no'"),
     ],
 )
-def test_unsupported_fsdp_launches_are_refused_with_the_fix(tmp_path, flags, message):
+def test_unsupported_fsdp_launches_are_refused_with_the_fix(tmp_path, monkeypatch, flags, message):
     # (On the CPU accelerate's FSDP1 plugin itself needs sync_module_states off.)
     launcher = [
         "--use_fsdp",
@@ -515,7 +542,5 @@ def test_unsupported_fsdp_launches_are_refused_with_the_fix(tmp_path, flags, mes
     ]
     if "--mixed_precision" not in flags:
         launcher += ["--mixed_precision", "no"]
-    result = _launch(launcher, tmp_path, script=FSDP_DRIVER)
-    assert result.returncode != 0
-    assert message in " ".join(result.stderr.split())
+    assert message in _refusal_in_process(launcher, tmp_path, monkeypatch)
     assert not list(tmp_path.iterdir())
