@@ -1,4 +1,5 @@
-"""Runs scripts/train.py with the GRPO loss altered on chosen backward passes, the same ones on every rank.
+"""Runs scripts/train.py with the GRPO loss (the clipped and guard objectives') altered on chosen backward passes, the
+same ones on every rank.
 
 FLOWGRPO_TEST_LOSS="nan:10"      the 10th loss is NaN
 FLOWGRPO_TEST_LOSS="zero:3,10"   the 3rd and 10th losses are multiplied by 0 (they contribute no gradient)
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import flowgrpo.objectives.clipped as clipped_module
+import flowgrpo.objectives.guard as guard_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +34,8 @@ def install() -> None:
         loss, stats = real_loss(*args, **kwargs)
         return (loss * factor, stats) if count in chosen else (loss, stats)
 
-    clipped_module.grpo_loss = altered_loss
+    for module in (clipped_module, guard_module):  # guard imports grpo_loss by name
+        module.grpo_loss = altered_loss
 
 
 def run_training() -> None:

@@ -462,56 +462,58 @@ def test_fsdp2_resume_is_exact(fsdp_run, tmp_path):
     _assert_same_finals(resumed, fsdp_run)
 
 
-# One epoch, an update after each micro-batch of 4: the second micro-batch's terms train off-policy.
-GUARD = ["grpo.objective=guard", "grpo.clip_range=0.2", "train.gradient_accumulation=1", "run.epochs=1"]
-GUARD += ["eval.every=0", "checkpoint.every=0"]
+# NaN on backwards 5 and 10 of epoch 0 (the ends of its two update cycles: an update after each micro-batch of 4).
+# Frozen weights in bf16 beside fp32 LoRA weights, the KL term's reference forward, GRPO-Guard's objective: the
+# non-finite test and the GRPO-Guard test read the same DDP and FSDP2 launches.
+NONFINITE = ["eval.every=0", "model.dtype=bf16", "grpo.kl.beta=0.04", "train.gradient_accumulation=1"]
+NONFINITE += ["grpo.objective=guard", "grpo.clip_range=0.2"]
 
 
-def test_guard_under_fsdp2_trains_like_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def nonfinite_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The DDP and FSDP2 runs with NaN losses on backwards 5 and 10: each run's directory and stdout."""
+    runs = {}
+    for name, launcher, script in (("ddp", DDP, "tests/loss_driver.py"), ("fsdp", FSDP2, FSDP_DRIVER)):
+        out = tmp_path_factory.mktemp(f"nonfinite_{name}")
+        result = _launch(launcher, out, *NONFINITE, script=script, env={"FLOWGRPO_TEST_LOSS": "nan:5,10"})
+        assert result.returncode == 0, result.stderr[-4000:]
+        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+        runs[name] = run_dir, result.stdout
+    return runs
+
+
+def test_guard_under_fsdp2_trains_like_ddp(nonfinite_runs):
     """GRPO-Guard's old means come from the rollout (Trajectory.means), not from a swap of the epoch's starting
     weights into the parameters, so FSDP2's DTensor shards are accepted: the same groups and advantages as DDP, and
     final weights equal on both ranks and within 1e-6 of DDP's (the clipped runs' tolerance). (DeepSpeed ZeRO-2, whose
     parameters are whole, passed the same check within 1e-5; not repeated here: its launch costs over a minute.)"""
-    fsdp = _run(FSDP2, tmp_path / "fsdp", *GUARD, script=FSDP_DRIVER)
-    ddp = _run(DDP, tmp_path / "ddp", *GUARD)
+    (fsdp, _), (ddp, _) = nonfinite_runs["fsdp"], nonfinite_runs["ddp"]
     for rank in range(2):
         ours, theirs = (torch.load(r / "debug" / f"epoch0_rank{rank}.pt") for r in (fsdp, ddp))
         assert all(torch.equal(ours[k], theirs[k]) for k in ("group_ids", "all_group_ids"))
         torch.testing.assert_close(ours["advantages"], theirs["advantages"], rtol=0, atol=1e-3)
     finals, expected = [_final(fsdp, r) for r in range(2)], _final(ddp, 0)
     rows = [json.loads(line) for line in (fsdp / "metrics.jsonl").read_text().splitlines()]
-    assert next(r for r in rows if "train/loss" in r)["global_step"] == 2  # the second micro-batch: off-policy
+    # Epoch 0's two updates were dropped (NaN); epoch 1 updated after each micro-batch: its second trained off-policy,
+    # and RatioNorm saw the stored sampling means differ from the current weights' (0 while nothing moved).
+    assert [r["global_step"] for r in rows if "train/loss" in r] == [0, 2]
+    assert rows[0]["train/mean_shift"] == 0 < rows[1]["train/mean_shift"]
     for key in expected:
         assert torch.equal(finals[0][key], finals[1][key]), key
         torch.testing.assert_close(finals[0][key], expected[key], atol=1e-6, rtol=0, msg=key)
 
 
-def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(tmp_path):
+def test_fsdp2_drops_an_update_with_a_nonfinite_sync_step_like_ddp(nonfinite_runs):
     """NaN on backwards 5 and 10 of epoch 0 (each ends one of its two cycles): both updates are dropped, and
     the gradients accumulated before them do not leak into epoch 1's updates. DDP and FSDP2 end equal. Also: frozen
     weights in bf16 (model.dtype) beside fp32 LoRA weights, the KL term's reference forward (adapter disabled)
     between a forward and its backward, and a checkpoint before the first optimizer step."""
-    runs = {}
-    for name, launcher, script in (("ddp", DDP, "tests/loss_driver.py"), ("fsdp", FSDP2, FSDP_DRIVER)):
-        out = tmp_path / name
-        out.mkdir()
-        result = _launch(
-            launcher,
-            out,
-            "eval.every=0",
-            "model.dtype=bf16",
-            "grpo.kl.beta=0.04",
-            "train.gradient_accumulation=1",
-            script=script,
-            env={"FLOWGRPO_TEST_LOSS": "nan:5,10"},
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert "non-finite loss, step skipped" in result.stdout
-        (runs[name],) = [p for p in out.iterdir() if p.is_dir()]
-        rows = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+    for run_dir, stdout in nonfinite_runs.values():
+        assert "non-finite loss, step skipped" in stdout
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["global_step"] for r in rows] == [0, 2] and rows[1]["train/kl"] > 0  # moved off the reference
     for rank in range(2):
-        fsdp, ddp = _final(runs["fsdp"], rank), _final(runs["ddp"], rank)
+        fsdp, ddp = _final(nonfinite_runs["fsdp"][0], rank), _final(nonfinite_runs["ddp"][0], rank)
         assert all(torch.isfinite(v).all() for v in fsdp.values())
         for k in fsdp:
             torch.testing.assert_close(fsdp[k], ddp[k], atol=1e-6, rtol=0, msg=k)
