@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -275,12 +276,14 @@ def test_a_resume_across_a_reset_ends_with_the_weights_of_an_uninterrupted_run(t
     # Every term saw its samples' gate; per epoch ceil(0.25 · 16) = 4 samples at most, 5 terms per micro-batch.
     per_epoch = [torch.cat(gates[i : i + 10 : 5]).sum().item() for i in range(0, len(gates), 10)]
     assert len(gates) == 4 * 2 * 5 and all(0 < n <= 4 for n in per_epoch)
-    part = _trainer(tmp_path / "b", "run.epochs=3")
-    part.fit()
-    resumed = _trainer(tmp_path / "b", "run.epochs=4", f"run.resume={part.run_dir}")
+    # The run as it stood after epoch 3 (a copy without epoch 4's checkpoint; the resume sets its metrics row aside).
+    stopped = tmp_path / "b" / full.run_dir.name
+    shutil.copytree(full.run_dir, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "epoch-00004")
+    resumed = _trainer(tmp_path / "b", "run.epochs=4", f"run.resume={stopped}")
     assert resumed.state.epoch == 3 and resumed.kl_reference.epoch == 2
     resumed.fit()
-    a, b = list_checkpoints(full.run_dir), list_checkpoints(part.run_dir)
+    a, b = list_checkpoints(full.run_dir), list_checkpoints(stopped)
     assert [c.name for c in a] == [c.name for c in b] == ["epoch-00001", "epoch-00002", "epoch-00003", "epoch-00004"]
     final_a, final_b = (load_file(str(c[-1] / "adapter.safetensors")) for c in (a, b))
     assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
@@ -290,7 +293,7 @@ def test_a_resume_across_a_reset_ends_with_the_weights_of_an_uninterrupted_run(t
     snapshot, after_two = load_file(str(b[2] / "reference.safetensors")), load_file(str(b[1] / "adapter.safetensors"))
     assert snapshot.keys() == after_two.keys() and all(torch.equal(snapshot[k], after_two[k]) for k in snapshot)
     assert not (b[0] / "reference.safetensors").exists()  # epoch 1: no reset yet
-    rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
 
 
