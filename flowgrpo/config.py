@@ -94,16 +94,16 @@ class ModelConfig:
     #                        mode × train/eval × adapter on/off) in the first epoch: seconds on a GPU, minutes on a CPU.
     #                        Single process and DDP; not with DeepSpeed or FSDP (they wrap the module themselves)
     negative_prompt: str = ""  # for CFG (SD3; Qwen-Image's true CFG, where Flow-GRPO uses " "; FLUX's true CFG)
-    true_cfg_scale: float = 1.0  # flux / flux-kontext only: FluxPipeline's true_cfg_scale. 1: off (the presets;
+    true_cfg_scale: float = 1.0  # flux / flux-kontext / hunyuanvideo: the pipeline's true_cfg_scale. 1: off (presets;
     #                              FLUX.1-dev is guidance-distilled: its guidance, sampler / eval.guidance_scale, is
     #                              an input of the network). Above 1: every forward (rollout, re-scoring, evaluation)
     #                              adds one on model.negative_prompt (then required), neg + s·(cond − neg), as
     #                              pipe(true_cfg_scale=s, negative_prompt=...)
     max_sequence_length: int | None = None  # T5 / Qwen2.5-VL tokens (null: the family's default, SD3 256, FLUX and
     #                                         Qwen-Image 512; shapes-sd3: 16)
-    num_frames: int | None = None  # video models (wan) only: frames per clip, 4k + 1 (the Wan VAE keeps the first
-    #                                frame and packs every 4 after it into one latent frame); null: the pipeline's
-    #                                default, 81. Image models: leave null
+    num_frames: int | None = None  # video models (wan, wan-i2v, hunyuanvideo, ltx2) only: frames per clip, 4k + 1
+    #                                (the video VAE keeps the first frame and packs every 4 after it into one latent
+    #                                frame); null: the pipeline's default (Wan 81, HunyuanVideo 129). Images: null
     source_area: int = 1024 * 1024  # qwenimage-edit(-plus) only: the source image is sized to about this many pixels
     #                                 at its aspect ratio, calculate_dimensions(source_area, W / H), for the Qwen2.5-VL
     #                                 and the VAE alike: QwenImageEditPipeline's 1024² (as Flow-GRPO); Edit-Plus: for

@@ -25,7 +25,7 @@ from flowgrpo.tiny import build_tiny_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_hunyuanvideo.yaml"
-PROMPTS = ["a red cube", "a blue ball"]
+PROMPTS = ["a red cube", "a blue ball on a wooden table"]  # different lengths: per-row masks
 # FastVideo's LoRA targets for HunyuanVideo (hao-ai-lab/FastVideo fastvideo/train.py @883616a, model_type hunyuan_hf).
 FASTVIDEO_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 
@@ -72,12 +72,14 @@ def test_prompts_crop_the_template_and_guidance_is_embedded(pipe):
     # <|begin_of_text|> and the template before the prompt: the 95 tokens pipe() crops off (crop_start).
     assert len(tok(template.split("{}")[0]).input_ids) == DEFAULT_PROMPT_TEMPLATE["crop_start"] == 95
     embeds = adapter.encode_prompts(PROMPTS)
+    assert len(set(embeds.mask.sum(1).tolist())) == 2  # the rows' masks differ, so a shared mask would show
     ids = tok([template.format(p) for p in PROMPTS], padding="max_length", max_length=95 + 256, return_tensors="pt")
     with torch.no_grad():
         hidden = llama(ids.input_ids, attention_mask=ids.attention_mask, output_hidden_states=True).hidden_states[-3]
     torch.testing.assert_close(embeds.prompt_embeds, hidden[:, 95:], rtol=0, atol=0)
     assert embeds.mask.tolist() == ids.attention_mask[:, 95:].tolist()
-    assert embeds.mask.sum(1).tolist() == [4, 4]  # a / red / cube + <|eot_id|>: the prompt's own tokens only
+    # the prompt's own tokens only: a / red / cube + <|eot_id|>; the longer one spelled partly in bytes by the tiny BPE
+    assert embeds.mask.sum(1).tolist() == [4, 13]
     assert embeds.pooled.shape == (2, 32) and embeds.prompt_embeds.shape == (2, 256, 32)
 
     # The embedded guidance: DanceGRPO feeds guidance=6018.0 (train_grpo_hunyuan.py): guidance_scale 6.018 here.

@@ -20,7 +20,8 @@ latents, the 3D causal VAE (temporal factor 4, spatial 8: ``num_frames = 4k + 1`
 - decoding: ``latents.to(vae.dtype) / scaling_factor`` (0.476986, no shift), the VAE, the video processor: clips
   ``[B, F, 3, H, W]`` in [0, 1] (``pipe(output_type="pt").frames``), scored frame by frame or whole (``rewards.video``).
 
-DanceGRPO (XueZeyue/DanceGRPO ``fastvideo/train_grpo_hunyuan.py``) samples and trains exactly these forwards: its
+DanceGRPO (XueZeyue/DanceGRPO ``fastvideo/train_grpo_hunyuan.py``) samples and trains the same recipe (not bit for
+bit: its embeddings come from FastVideo's fp16 text-encoder wrapper, under bf16 autocast): its
 transformer (FastVideo's ``hunyuan_hf``, diffusers' layout) reads the same precomputed Llama embeddings and mask
 (``encode_prompt``'s defaults: this template, 256 tokens) with the CLIP pooled embedding folded into a first token,
 and the embedded guidance ``6018.0`` = ``guidance_scale`` 6.018 here; ``configs/hunyuanvideo_dancegrpo.yaml`` is its
