@@ -51,12 +51,21 @@ LORA_EXPERTS = {"both": EXPERTS, "high_noise": ("transformer",), "low_noise": ("
 class WanExperts(torch.nn.Module):
     """Wan2.2's two experts as one module: what LoRA, the optimizer, EMA, checkpoints (``transformer.<...>`` and
     ``transformer_2.<...>``, the pipeline's component names) and DDP see. The experts are the pipeline's own modules,
-    so ``pipe()`` runs the same weights. :meth:`forward` runs the expert it is told (the adapter picks it).
+    so ``pipe()`` runs the same weights. :meth:`forward` runs each row on the expert it is told (the adapter picks
+    it), both experts in one call when a batch straddles the boundary.
 
     It names no ``_no_split_modules``, so FSDP2's transformer-based wrapping shards it as one unit (gathered whole in
     each forward): per-block units would issue each expert's own collectives, and processes whose micro-batches sit on
     different experts (shuffled timesteps) would then run different ones. (Checked by hand, two CPU processes on the
-    tiny model: DDP and FSDP2 train; without the tie below DDP fails, with per-block units FSDP2 does.)"""
+    tiny model: without the tie below DDP fails, with per-block units FSDP2 does; DDP with one process's micro-batch
+    across the boundary is tests/test_wan22_ddp.py.)
+
+    Two consequences. The idle expert's tie gives its LoRA a gradient of exactly 0, not None, so in an update where
+    no sample sat on that expert AdamW still moves its LoRA (weight decay, and the step from the moments of earlier
+    updates), where a parameter without gradient would be skipped. With ``model.lora_experts: high_noise`` or
+    ``low_noise``, the steps of the expert without LoRA are still sampled as SDE steps and re-scored in the loss (the
+    window is not restricted to the adapted expert's steps): forwards that train nothing (their backward is the zero
+    tie only); a window (``sampler.window``) on the adapted expert's steps avoids them."""
 
     def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, *, lora: Sequence[str]) -> None:
         super().__init__()
@@ -74,14 +83,27 @@ class WanExperts(torch.nn.Module):
     def _adapted(self) -> list[torch.nn.Module]:
         return [m for m in self.experts if getattr(m, "_hf_peft_config_loaded", False)]
 
-    def forward(self, *, expert: int, **inputs: Any) -> Tensor:
-        """``experts[expert](**inputs)``'s prediction. With gradient, the other expert's trainable weights are tied in
+    def forward(self, *, expert: Tensor, **inputs: Any) -> Tensor:
+        """Each row ``i``'s prediction by ``experts[expert[i]]`` (``expert`` ``[B]``, :meth:`WanAdapter.expert_of`):
+        a batch on one expert runs it whole, a batch across the boundary runs each expert on its own rows (every
+        tensor input is split by rows) and puts the rows back in order. The split happens here, inside one call, so
+        whatever wraps this module (DDP, FSDP, DeepSpeed) is entered once per forward whatever the split: DDP
+        broadcasts the buffers (the rope tables) at every training forward, and a process entering it more often
+        than another (its micro-batch across the boundary, the other's not) would pair its broadcasts with the
+        other's collectives: a hang. With gradient, an expert that runs no row has its trainable weights tied in
         with weight exactly 0: every trainable parameter then takes part in every training forward (DDP's reducer
         expects each one, and a step on an expert without LoRA still has a graph to back up); the value is
         unchanged and their gradient is 0."""
-        out = self.experts[expert](**inputs, return_dict=False)[0]
+        expert = torch.as_tensor(expert).reshape(-1)
+        used = expert.unique().tolist()  # sorted
+        if len(used) == 1:
+            out = self.experts[used[0]](**inputs, return_dict=False)[0]
+        else:
+            rows = [torch.nonzero(expert == e).flatten() for e in used]
+            parts = [self.experts[e](**_rows(inputs, r), return_dict=False)[0] for e, r in zip(used, rows, strict=True)]
+            out = torch.cat(parts)[torch.cat(rows).argsort()]
         if torch.is_grad_enabled():
-            idle = [p for p in self.experts[1 - expert].parameters() if p.requires_grad]
+            idle = [p for e in (0, 1) if e not in used for p in self.experts[e].parameters() if p.requires_grad]
             if idle:
                 out = out + (sum(p.sum() for p in idle) * 0.0).to(out.dtype)
         return out
@@ -129,7 +151,8 @@ class WanAdapter(PipelineAdapter):
     fixed per adapter; ``guidance_scale > 1``: CFG with ``negative_prompt`` (Flow-GRPO: ``""``, the pipeline's default).
     Wan2.2's two experts: ``guidance_scale_2`` (``model.guidance_scale_2``) guides the low-noise expert's steps
     (None: ``guidance_scale``, as ``pipe()``), ``lora_experts`` (``model.lora_experts``: ``both`` | ``high_noise`` |
-    ``low_noise``) says which get LoRA; with one, the other's steps train nothing (their gradient is 0)."""
+    ``low_noise``) says which get LoRA; with one, the other's steps train nothing (their gradient is 0) but are still
+    sampled and re-scored (:class:`WanExperts`)."""
 
     family = "wan"
     uses_cfg = True
@@ -253,33 +276,32 @@ class WanAdapter(PipelineAdapter):
     ) -> Tensor:
         """``pipe()``'s prediction: the conditional forward and, with ``guidance_scale > 1``, a separate negative
         forward, ``uncond + s · (cond − uncond)``; each sample on the expert ``pipe()`` runs at its timestep
-        (:meth:`expert_of`), the low-noise one guided by ``guidance_scale_2`` when set."""
+        (:meth:`expert_of`), the low-noise one guided by ``guidance_scale_2`` when set. One call of the transformer
+        per forward (conditional, negative) whatever the experts: :class:`WanExperts` splits the rows itself."""
         timestep = self._timestep(sigma, latents.shape[0], timestep)
         expert = self.expert_of(timestep)
-        if bool((expert == expert[0]).all()):
-            return self._guided(latents, timestep, embeds, guidance_scale, int(expert[0]))
-        rows = [torch.nonzero(expert == e).flatten() for e in range(self.experts)]  # a micro-batch across the boundary
-        parts = [self._guided(latents[r], timestep[r], embeds.select(r), guidance_scale, e) for e, r in enumerate(rows)]
-        return torch.cat(parts)[torch.cat(rows).argsort()]
-
-    def _guided(
-        self, latents: Tensor, timestep: Tensor, embeds: PromptEmbeds, guidance_scale: float, expert: int
-    ) -> Tensor:
-        """One expert's (CFG-guided) prediction for a batch whose samples all run on it."""
         cond = self._forward(latents, timestep, embeds.prompt_embeds, embeds, expert)
         if not self.needs_negative(guidance_scale):  # pipe(): CFG on both experts iff guidance_scale > 1
             return cond
         if embeds.negative_embeds is None:
             raise ValueError("guidance_scale > 1 needs negative embeddings (encode_prompts with_negative=True)")
         uncond = self._forward(latents, timestep, embeds.negative_embeds, embeds, expert)
-        scale = self.guidance_scale_2 if expert == 1 and self.guidance_scale_2 is not None else guidance_scale
-        return uncond + scale * (cond - uncond)
+        low = expert == 1
+        scale_2 = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
+        if scale_2 == guidance_scale or not bool(low.any()):
+            return uncond + guidance_scale * (cond - uncond)
+        if bool(low.all()):
+            return uncond + scale_2 * (cond - uncond)
+        # a micro-batch across the boundary: each row with its expert's scale (pipe()'s expression, per row)
+        low = low.view(-1, *[1] * (cond.ndim - 1))
+        return torch.where(low, uncond + scale_2 * (cond - uncond), uncond + guidance_scale * (cond - uncond))
 
     def _model_inputs(self, latents: Tensor, embeds: PromptEmbeds) -> tuple[Tensor, dict[str, Tensor]]:
         """The transformer's ``hidden_states`` and any inputs besides the text and timestep (image-to-video's)."""
         return latents, {}
 
-    def _forward(self, latents: Tensor, timestep: Tensor, text: Tensor, embeds: PromptEmbeds, expert: int) -> Tensor:
+    def _forward(self, latents: Tensor, timestep: Tensor, text: Tensor, embeds: PromptEmbeds, expert: Tensor) -> Tensor:
+        """One forward through ``self.transformer`` (once, whatever the experts: see :meth:`WanExperts.forward`)."""
         dtype = self.dtype  # as pipe(): latents and prompt embeddings in the transformer's dtype
         hidden, extra = self._model_inputs(latents, embeds)
         inputs = {
@@ -364,6 +386,12 @@ class WanAdapter(PipelineAdapter):
         latents = latents / inverse_std + mean  # the pipeline's own expression (bit for bit)
         video = self.vae.decode(latents, return_dict=False)[0]
         return self.pipe.video_processor.postprocess_video(video, output_type="pt").float()
+
+
+def _rows(inputs: Mapping[str, Any], rows: Tensor) -> dict[str, Any]:
+    """The transformer's keyword inputs of those rows: every tensor is batch-first (hidden states, timesteps, text and
+    image embeddings)."""
+    return {k: v[rows] if isinstance(v, Tensor) else v for k, v in inputs.items()}
 
 
 def check_experts(pipe: Any, guidance_scale_2: float | None, lora_experts: str, family: str) -> float | None:
