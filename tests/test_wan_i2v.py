@@ -99,6 +99,43 @@ def test_noise_free_rollout_reproduces_pipe(wan22, height, width):
     assert (again.images - traj.images).abs().max() > 1e-3
 
 
+def test_a_step_exactly_on_the_boundary_runs_the_high_noise_expert_as_pipe():
+    """UniPC at 4 steps feeds t = 999, 900 | 750, 500, and Wan2.2 I2V's boundary is 0.9 · 1000 = 900: pipe() runs
+    ``transformer`` at t = 900 (``t >= boundary``). Our rollout on the UniPC schedule against pipe() taking Euler steps
+    on the same sigmas and timesteps: the same expert at every forward, and the same clip."""
+    pipe = _pipe(wan22=True, euler=False)
+    adapter = make_adapter(pipe, num_frames=5)
+    sigmas, timesteps = adapter.schedule(4, 16, 32)
+    assert timesteps.tolist() == [999, 900, 750, 500] and pipe.config.boundary_ratio * 1000 == 900.0
+    latents = adapter.initial_noise(1, 16, 32, generator=torch.Generator().manual_seed(0))
+    log: list[str] = []
+    handles = [
+        getattr(pipe, name).register_forward_pre_hook(lambda *_, name=name: log.append(name))
+        for name in ("transformer", "transformer_2")
+    ]
+    sampler = SamplerConfig(noise_level=0.0, num_steps=4, guidance_scale=4.0)
+    traj = rollout(
+        adapter, PROMPTS[:1], [0], sampler, range(0), height=16, width=32, initial_latents=latents, sources=SOURCES[:1]
+    )
+    ours = list(log)
+    log.clear()
+    euler = FlowMatchEulerDiscreteScheduler()  # pipe()'s Euler step, x + (σ' − σ) v, on UniPC's grid
+
+    def on_unipc_grid(num_inference_steps: int, device=None, **_) -> None:
+        assert num_inference_steps == 4
+        euler.sigmas, euler.timesteps = sigmas.clone(), timesteps.float()
+        euler._step_index = euler._begin_index = None
+
+    euler.set_timesteps = on_unipc_grid
+    pipe.scheduler = euler
+    call = dict(prompt=PROMPTS[0], height=16, width=32, num_frames=5, num_inference_steps=4, guidance_scale=4.0)
+    expected = pipe(image=_shown(SOURCES[0], 16, 32), **call, latents=latents.clone(), output_type="pt").frames
+    for handle in handles:
+        handle.remove()
+    assert log == ours == ["transformer"] * 4 + ["transformer_2"] * 4  # t = 900: the high-noise expert, CFG's 2
+    torch.testing.assert_close(traj.images, expected, rtol=0, atol=1e-5)
+
+
 def test_condition_and_image_embeddings_are_the_pipelines():
     pipe = _pipe()
     adapter = make_adapter(pipe, num_frames=9)
