@@ -158,6 +158,10 @@ def test_refusals():
     components["audio_vae"] = type(components["audio_vae"])(**{**components["audio_vae"].config, "latent_channels": 4})
     with pytest.raises(ValueError, match="video tokens have 4 features and its audio tokens 8"):
         LTX2Adapter(LTX2Pipeline(**components), num_frames=5)
+    components = ltx2_components(0)
+    components["transformer"] = type(components["transformer"])(**{**components["transformer"].config, "patch_size": 2})
+    with pytest.raises(ValueError, match=r"patch_size=2, patch_size_t=1 is not supported"):
+        LTX2Adapter(LTX2Pipeline(**components), num_frames=5)
 
 
 def test_two_epochs_resume_exactly_and_export_matches_plain_diffusers(tmp_path, monkeypatch):

@@ -93,6 +93,12 @@ class LTX2Adapter(PipelineAdapter):
         self.frame_rate = float(frame_rate)
         config = pipe.transformer.config
         self.patch, self.patch_t = int(config.patch_size), int(config.patch_size_t)
+        if (self.patch, self.patch_t) != (1, 1):  # LTX-2's releases: 1 and 1, the only case tested against pipe()
+            raise ValueError(
+                f"ltx2: a transformer with patch_size={self.patch}, patch_size_t={self.patch_t} is not supported (the "
+                "released LTX-2 checkpoints use 1 and 1; the position grid for larger patches is not checked against "
+                "pipe()); use an LTX-2 checkpoint with patch size 1"
+            )
         video_width = int(config.in_channels) * self.patch_t * self.patch**2
         audio_width = int(pipe.audio_vae.config.latent_channels) * self.latent_mel_bins
         if video_width != audio_width:
