@@ -1,7 +1,8 @@
 """FLUX.2 (``Flux2KleinPipeline``: ``flux2-klein``; ``Flux2Pipeline``, [dev]: ``flux2``) through the FLUX.2 adapters on
 the tiny offline pipelines: noise-free rollouts against ``pipe()`` with and without guidance, square and non-square
 on one adapter (latents and images), the on-policy ratio exactly 1, the step-distilled Klein, LoRA targets against
-diffusers' DreamBooth trainers, refusals, and the trainer's run / resume / export against plain diffusers."""
+diffusers' DreamBooth trainers (the adapters' defaults) and the presets' against their recipes' (both streams'
+attention and feed-forwards), refusals, and the trainer's run / resume / export against plain diffusers."""
 
 from __future__ import annotations
 
@@ -182,6 +183,41 @@ def test_lora_targets_are_diffusers_dreambooth_trainers(kind, reference):
     double = {f"transformer_blocks.0.attn.{name}" for name in ("to_k", "to_q", "to_v", "to_out.0")}
     single = {f"single_transformer_blocks.0.attn.{name}" for name in ("to_qkv_mlp_proj", "to_out")}
     assert _wrapped(plain) == (double | single if kind == "flux2-klein" else double)
+
+
+# Pref-GRPO's FLUX.2-klein GRPO trainer's default LoRA targets (CodeGoat24/Pref-GRPO fastvideo/train_flux2_klein.py
+# @83a7602): both streams' attention and feed-forwards, and the single blocks' fused input projection.
+PREF_GRPO_KLEIN_TARGETS = [
+    *[f"attn.{name}" for name in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj")],
+    "attn.to_add_out",
+    *[f"{ff}.{name}" for ff in ("ff", "ff_context") for name in ("linear_in", "linear_out")],
+    "attn.to_qkv_mlp_proj",
+]
+
+
+@pytest.mark.parametrize("preset,kind", [("flux2_dev_pickscore", "flux2"), ("flux2_klein_pickscore", "flux2-klein")])
+def test_presets_train_both_streams_attention_and_feed_forwards(preset, kind):
+    """The presets' sources (flux_dev_pickscore, qwenimage_pickscore) train both streams' attention and feed-forwards:
+    on FLUX.2 every Linear of the double blocks' attn / ff / ff_context, and both Linears of the single blocks, whose
+    attention and MLP share them: Pref-GRPO's Klein list plus the single blocks' attn.to_out."""
+    targets = load_config(ROOT / "configs" / f"{preset}.yaml").model.lora.target_modules
+    model = build_tiny_pipeline(kind).transformer
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    model.add_adapter(LoraConfig(r=2, target_modules=list(targets), exclude_modules=Flux2Adapter.lora_exclude(model)))
+    double = {
+        n
+        for n in linears
+        if n.split(".")[0] == "transformer_blocks" and n.split(".")[2] in ("attn", "ff", "ff_context")
+    }
+    single = {n for n in linears if n.startswith("single_transformer_blocks.")}
+    assert len(double) == 12 and single == {
+        "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+        "single_transformer_blocks.0.attn.to_out",
+    }
+    assert _wrapped(model) == double | single
+    pref_grpo = build_tiny_pipeline(kind).transformer
+    pref_grpo.add_adapter(LoraConfig(r=2, target_modules=PREF_GRPO_KLEIN_TARGETS))
+    assert _wrapped(model) == _wrapped(pref_grpo) | {"single_transformer_blocks.0.attn.to_out"}
 
 
 def test_klein_targets_reach_every_single_block_whatever_the_depth():
