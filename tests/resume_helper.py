@@ -1,5 +1,6 @@
-"""What the family tests' "train, resume and export" checks share (tests/test_wan22.py, test_wan_i2v.py): two epochs
-in one run against one epoch, a resume and the second, compared weight for weight."""
+"""What the family tests' "train, resume and export" checks share (tests/test_wan22.py, test_wan_i2v.py,
+test_zimage.py, test_flux2.py, ...): two epochs in one run against one epoch, a resume and the second, compared weight
+for weight."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ attention and feed-forwards), refusals, and the trainer's run / resume / export 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from accelerate import init_empty_weights
 from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from peft import LoraConfig
-from safetensors.torch import load_file
+from resume_helper import export_and_sample, train_and_resume
 
 from flowgrpo.adapters import make_adapter
 from flowgrpo.adapters.flux2 import Flux2Adapter, Flux2KleinAdapter
@@ -279,44 +278,15 @@ def _plain_diffusers(base: Path, lora: Path, merged: Path, latents: torch.Tensor
 
 
 def test_train_resume_and_export_match_plain_diffusers(tmp_path):
-    from flowgrpo.checkpoint import list_checkpoints
-    from flowgrpo.config import WindowConfig
-    from flowgrpo.evaluation import ode_sampler
-    from flowgrpo.export import adapter_from_checkpoint, export_checkpoint, run_config
-    from flowgrpo.trainer import GRPOTrainer
-
     base = tmp_path / "base"
     build_tiny_pipeline("flux2-klein", seed=0).save_pretrained(str(base))
     # 8 images an epoch in two micro-batches: two optimizer steps an epoch, for the resume to restore.
     small = ["grpo.groups_per_epoch=2", "sampler.batch_size=4", "train.batch_size=4"]
     common = [f"model.pretrained={base}", "run.progress=false", "train.lr=5e-2", *small]
 
-    def trainer(out, *overrides):
-        return GRPOTrainer(load_config(TINY, [f"run.output_dir={out}", *common, *overrides]))
-
-    full = trainer(tmp_path / "a", "run.epochs=2")
-    full.fit()
-    part = trainer(tmp_path / "b", "run.epochs=1")
-    part.fit()
-    resumed = trainer(tmp_path / "b", "run.epochs=2", f"run.resume={part.run_dir}")
-    assert resumed.state.epoch == 1
-    resumed.fit()
-    ckpt = list_checkpoints(full.run_dir)[-1]
-    a = load_file(str(ckpt / "adapter.safetensors"))
-    b = load_file(str(list_checkpoints(part.run_dir)[-1] / "adapter.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the resume is exact
-    rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["train/onpolicy_ratio_dev"] == 0.0 for r in rows)
-
-    export_checkpoint(ckpt, tmp_path / "lora")
-    export_checkpoint(ckpt, tmp_path / "merged", merge=True)
-    config = run_config(ckpt)
-    adapter = adapter_from_checkpoint(config, ckpt)
+    ckpt, _ = train_and_resume(TINY, tmp_path, common)  # the resume is exact, every epoch on-policy
     prompts = ["a red cube", PROMPTS[0]]
-    latents = adapter.initial_noise(2, 32, 32, generator=torch.Generator().manual_seed(0))
-    sampler = ode_sampler(config.eval)
-    sampler.num_steps, sampler.window = 6, WindowConfig(size=0)
-    ours = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents).images
+    adapter, latents, ours = export_and_sample(ckpt, tmp_path, prompts, steps=6)
 
     plain_latents = _unpacked(adapter, latents, 32, 32)
     images = _plain_diffusers(base, tmp_path / "lora", tmp_path / "merged", plain_latents, prompts)

@@ -8,17 +8,16 @@ Guidance: this project's ``guidance_scale`` ``w`` is ``pipe(guidance_scale=w - 1
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-from safetensors.torch import load_file
+from resume_helper import export_and_sample, train_and_resume
 
 from flowgrpo.adapters import make_adapter, unwrap
 from flowgrpo.adapters.zimage import ZImageAdapter
-from flowgrpo.config import SamplerConfig, load_config
+from flowgrpo.config import SamplerConfig
 from flowgrpo.rollout import evaluate_transitions, rollout
 from flowgrpo.tiny import build_tiny_pipeline
 
@@ -195,43 +194,17 @@ def _plain_diffusers(path: Path, prompts: list[str], latents: torch.Tensor, lora
 
 
 def test_train_resume_and_export_match_plain_diffusers(tmp_path):
-    from flowgrpo.checkpoint import list_checkpoints
-    from flowgrpo.config import WindowConfig
     from flowgrpo.evaluation import ode_sampler
-    from flowgrpo.export import adapter_from_checkpoint, export_checkpoint, run_config
-    from flowgrpo.trainer import GRPOTrainer
+    from flowgrpo.export import run_config
 
     base = tmp_path / "base"
     build_tiny_pipeline("zimage", seed=0).save_pretrained(str(base))
     common = [f"model.pretrained={base}", "run.progress=false", "train.lr=5e-2", "grpo.groups_per_epoch=2"]
 
-    def trainer(out, *overrides):
-        return GRPOTrainer(load_config(TINY, [f"run.output_dir={out}", *common, *overrides]))
-
-    full = trainer(tmp_path / "a", "run.epochs=2")
-    full.fit()
-    part = trainer(tmp_path / "b", "run.epochs=1")
-    part.fit()
-    resumed = trainer(tmp_path / "b", "run.epochs=2", f"run.resume={part.run_dir}")
-    assert resumed.state.epoch == 1
-    resumed.fit()
-    ckpt = list_checkpoints(full.run_dir)[-1]
-    a = load_file(str(ckpt / "adapter.safetensors"))
-    b = load_file(str(list_checkpoints(part.run_dir)[-1] / "adapter.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the resumed run is the same run
-    rows = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["train/onpolicy_ratio_dev"] == 0.0 for r in rows)
-
-    export_checkpoint(ckpt, tmp_path / "lora")
-    export_checkpoint(ckpt, tmp_path / "merged", merge=True)
-    config = run_config(ckpt)
-    adapter = adapter_from_checkpoint(config, ckpt)
+    ckpt, _ = train_and_resume(TINY, tmp_path, common)
     prompts = ["a red cube", PROMPTS[3]]
-    latents = adapter.initial_noise(2, 32, 32, generator=torch.Generator().manual_seed(0))
-    sampler = ode_sampler(config.eval)
-    sampler.num_steps, sampler.window = 4, WindowConfig(size=0)
-    assert sampler.guidance_scale == 4.0  # the config's w = 4: pipe(guidance_scale=3.0) below
-    ours = rollout(adapter, prompts, [0, 1], sampler, range(0, 0), height=32, width=32, initial_latents=latents).images
+    adapter, latents, ours = export_and_sample(ckpt, tmp_path, prompts, steps=4)
+    assert ode_sampler(run_config(ckpt).eval).guidance_scale == 4.0  # the config's w = 4: pipe(guidance_scale=3.0)
 
     base_images = _plain_diffusers(base, prompts, latents)
     assert (base_images - ours).abs().max() > 1e-3  # the adapter really changes the images
