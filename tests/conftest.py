@@ -16,6 +16,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist adds each group to the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests sharing a module-scoped fixture (a two-process training run, a loaded pipeline) run on one worker
     (``--dist loadgroup``), so the fixture is built once; every other test goes to whichever worker is free."""
