@@ -401,7 +401,9 @@ def test_mix_steps_outside_the_window_are_the_ode(adapter):
 @pytest.mark.parametrize("kind", ["wan", "flux-kontext"])
 def test_video_and_editing_models_grow_trees_too(kind):
     """Nothing in the tree is image- or text-only: a Wan clip and a FLUX.1-Kontext edit (source images in the
-    embeddings) re-score exactly, and with noise 0 every leaf is the ODE chain."""
+    embeddings) re-score to the stored log-probs, and with noise 0 every leaf is the ODE chain. Up to rounding here,
+    not bit for bit: a tree step's forward runs over that depth's nodes (1, 2 rows), the re-scoring over the 4 leaves,
+    and with Kontext's longer sequences the CPU's matmul kernels may round differently by row count (seen: 1e-7)."""
     from PIL import Image
 
     other = make_adapter(build_tiny_pipeline(kind, seed=0))
@@ -413,7 +415,8 @@ def test_video_and_editing_models_grow_trees_too(kind):
     assert (traj.source_images is not None) == (kind == "flux-kontext") and traj.num_trained_steps == 3
     with torch.no_grad():
         for j in range(traj.num_trained_steps):
-            assert torch.equal(evaluate_transitions(other, traj, j, sampler).log_prob, traj.log_probs[:, j])
+            again = evaluate_transitions(other, traj, j, sampler).log_prob
+            torch.testing.assert_close(again, traj.log_probs[:, j], rtol=0, atol=1e-5)
     still = helper.sampler(num_steps=4, guidance_scale=4.0, noise_level=0.0)
     flat = tree_rollout(*args, still, shape, sde=sde, stored=sde, height=SIZE, width=SIZE, **sources)
     ode = rollout(*args[:3], still, range(0, 0), height=SIZE, width=SIZE, **sources)
