@@ -378,7 +378,7 @@ from diffusers import StableDiffusion3Pipeline
 base, lora, merged, latents_file, out = sys.argv[1:6]
 latents = torch.load(latents_file)
 kw = dict(prompt=["a red cube", "a blue ball"], latents=latents, num_inference_steps=6, guidance_scale=4.5,
-          height=32, width=32, output_type="pt")
+          height=32, width=32, max_sequence_length=16, output_type="pt")  # tiny_sd3.yaml's T5 tokens
 pipe = StableDiffusion3Pipeline.from_pretrained(base)
 pipe.load_lora_weights(lora)
 with_lora = pipe(**kw).images

@@ -121,6 +121,7 @@ def _family_config(spec, tmp_path: Path):
             f"model.width={width}",
             *SMALL,
             *extra,
+            "model.max_sequence_length=null",  # each family's default, as pipe() below
             "sampler.noise_level=0",
             "sampler.guidance_scale=1",
             f"data.train=configs/prompts/{prompts}",
