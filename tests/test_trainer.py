@@ -234,13 +234,9 @@ def test_a_nan_eval_reward_is_never_a_new_best(tmp_path, monkeypatch):
 
 def test_a_data_error_during_training_ends_the_cli_with_one_paragraph(tmp_path, monkeypatch, capsys):
     """A source image broken after the run started raises DataError mid-epoch: before, a traceback."""
-    import importlib.util
-
     from flowgrpo.data import DataError
 
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _train_script()
 
     def broken(self):
         raise DataError("data.train: rows.jsonl:2: the source image x.png cannot be read as an image")
