@@ -28,16 +28,20 @@ def make_optimizer(config: Config, params: list[torch.nn.Parameter]) -> torch.op
 
 def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
     """The factor on ``train.lr`` at an optimizer step: diffusers' ``get_scheduler`` multiplier for
-    ``train.lr_schedule`` over ``total_steps`` (run.epochs × the steps per epoch). The trainer sets the lr before
-    every backward from the epoch and the accumulation cycle within it, so a resumed run, even on another process
-    count, continues the schedule with nothing more to checkpoint, and a skipped non-finite step does not shift it."""
+    ``train.lr_schedule`` over ``train.lr_schedule_steps`` optimizer steps, or over ``total_steps`` (run.epochs × the
+    steps per epoch) when that is null; past the schedule's end the factor stays at its last value (diffusers' cosine
+    would rise again). The trainer sets the lr before every backward from the epoch and the accumulation cycle
+    within it, so a resumed run, even on another process count, continues the schedule with nothing more to
+    checkpoint, and a skipped non-finite step does not shift it."""
     t = config.train
-    if t.lr_schedule != "constant" and t.lr_warmup_steps >= total_steps:
+    length = t.lr_schedule_steps or total_steps
+    if t.lr_schedule != "constant" and t.lr_warmup_steps >= length:
+        key = "train.lr_schedule_steps" if t.lr_schedule_steps else "the run's"
         raise ConfigError(
-            f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than the run's {total_steps} "
-            "optimizer steps; lower it"
+            f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than {key} {length} optimizer steps; lower it"
         )
     # get_scheduler wants an optimizer; at train.lr because polynomial's end lr (1e-7) is absolute.
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)
-    scheduler = get_scheduler(t.lr_schedule, probe, num_warmup_steps=t.lr_warmup_steps, num_training_steps=total_steps)
-    return scheduler.lr_lambdas[0]
+    scheduler = get_scheduler(t.lr_schedule, probe, num_warmup_steps=t.lr_warmup_steps, num_training_steps=length)
+    factor = scheduler.lr_lambdas[0]
+    return lambda step: factor(min(step, length))

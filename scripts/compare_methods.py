@@ -9,11 +9,11 @@ Each preset (``configs/<preset>.yaml`` or a path) trains under ``run.max_minutes
 (``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time. The budget's clock (``run.budget_clock``) is by default the
 process's CPU time, which on one thread is the wall-clock of an idle core and which other work on the machine does
 not spend (``--clock wall``: the wall-clock, fair only on an otherwise idle machine). Its run ends after the epoch
-that spent the budget (the preset's
-``run.epochs`` is lifted so that the budget, not the epoch count, ends it; a preset whose lr schedule depends on
-``run.epochs`` is therefore refused). The shipped model is evaluated under each seed's noise too, and a gain is
-the trained model's accuracy minus the base model's under the same seed. Runs already finished under ``--work``
-are reused (delete the folder to redo them).
+that spent the budget (the preset's ``run.epochs`` is lifted so that the budget, not the epoch count, ends it; a
+preset whose lr schedule runs over ``run.epochs`` is therefore refused: ``train.lr_schedule_steps`` gives a schedule
+a length of its own). The shipped model is evaluated under each seed's noise too, and a gain is the trained model's
+accuracy minus the base model's under the same seed. Runs already finished under ``--work`` are reused (delete the
+folder to redo them).
 
 ``--processes N`` (N > 1) launches each training as N processes of one thread under DDP (``accelerate launch
 --multi_gpu``, which on a machine without GPUs runs torchrun and the trainer on the CPU with gloo), to measure a
@@ -182,7 +182,8 @@ POOL = ProcessPoolExecutor  # runs the trainings and evaluations, --jobs at a ti
 
 def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
     """``{key: config}`` for ``setups``' ``{key: (preset, overrides)}``; None, said on stderr, when a config does not
-    load, its lr schedule depends on ``run.epochs`` (which a time budget leaves open) or ``args``' ``--jobs``,
+    load, its lr schedule runs over ``run.epochs`` (which a time budget leaves open; ``train.lr_schedule_steps``
+    fixes its length) or ``args``' ``--jobs``,
     ``--eval-samples`` or ``--minutes`` is out of range, or ``--processes`` (default 1) does not fit
     (:func:`processes_problem`, or a config's batches at that many processes). With several processes, warns on
     stderr when a config's optimizer steps per epoch differ from its preset's at one process (``train.batch_size``
@@ -198,10 +199,11 @@ def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
     try:
         for key, (preset, overrides) in setups.items():
             configs[key] = load_config(_preset_path(preset), overrides)
-            if configs[key].train.lr_schedule != "constant":
+            train = configs[key].train
+            if train.lr_schedule != "constant" and train.lr_schedule_steps is None:
                 raise ConfigError(
-                    f"{key}: train.lr_schedule={configs[key].train.lr_schedule} depends on run.epochs, "
-                    "which a time budget leaves open: compare with train.lr_schedule=constant"
+                    f"{key}: train.lr_schedule={train.lr_schedule} runs over run.epochs, which a time budget leaves "
+                    "open: set train.lr_schedule_steps (its length in optimizer steps) or train.lr_schedule=constant"
                 )
             if processes > 1:
                 validate(configs[key], processes)  # its batches at that many processes

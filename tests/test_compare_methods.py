@@ -124,6 +124,11 @@ def test_two_processes_launch_each_run_under_ddp_in_its_own_folder(fake_training
     args = cm.argparse.Namespace(processes=2, jobs=1, clock="wall", eval_samples=1, minutes=1.0, overrides=[])
     assert cm.load_budgeted({"shapes": ("shapes", [])}, args) is not None
     assert "takes 2 optimizer steps per epoch at 2 processes, its preset 4" in capsys.readouterr().err
+    # An lr schedule over run.epochs, which the budget leaves open, is refused; one with its own length is not.
+    cosine = ["train.lr_schedule=cosine", "train.batch_size=16"]
+    assert cm.load_budgeted({"shapes": ("shapes", cosine)}, args) is None
+    assert "set train.lr_schedule_steps" in capsys.readouterr().err
+    assert cm.load_budgeted({"shapes": ("shapes", [*cosine, "train.lr_schedule_steps=280"])}, args) is not None
 
     fake_training.clear()  # one process: the command as before, the folder without a process count
     assert cm.main([*argv[:6], "--jobs", "1", *argv[10:]]) == 0

@@ -143,11 +143,39 @@ def test_config_overrides_types_and_defaults(tmp_path):
         (["train.lr_schedule=cosine_decay"], r"train.lr_schedule.*cosine"),
         (["train.lr_warmup_steps=-1"], r"train.lr_warmup_steps must be >= 0"),
         (["train.lr_warmup_steps=2"], r"set train.lr_schedule: constant_with_warmup"),
+        (["train.lr_schedule=cosine", "train.lr_schedule_steps=0"], r"train.lr_schedule_steps must be >= 1"),
+        (["train.lr_schedule_steps=100"], r"does nothing with train.lr_schedule=constant"),
     ],
 )
 def test_config_errors_name_key_and_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_an_lr_schedule_of_its_own_length_follows_diffusers_then_holds():
+    """train.lr_schedule_steps: diffusers' schedule over that many optimizer steps whatever the run's length, then
+    its last value (diffusers' cosine would climb back: at 1.5 lengths it reads 0.5)."""
+    import math
+
+    from flowgrpo.optim import make_lr_factor
+
+    config = load_config(None, ["train.lr_schedule=cosine", "train.lr_warmup_steps=2", "train.lr_schedule_steps=10"])
+    validate(config)
+    factor = make_lr_factor(config, total_steps=100_000)  # a time budget's open epoch count
+
+    def cosine(step):  # diffusers' cosine with warmup, by hand: 2 steps from 0, then half a cosine to 0 at step 10
+        return step / 2 if step < 2 else 0.5 * (1 + math.cos(math.pi * (step - 2) / 8))
+
+    assert [factor(s) for s in range(11)] == pytest.approx([cosine(s) for s in range(11)], abs=1e-12)
+    assert factor(10) == factor(15) == factor(1000) == pytest.approx(0, abs=1e-12)
+    linear = load_config(None, ["train.lr_schedule=linear", "train.lr_schedule_steps=4"])
+    assert [make_lr_factor(linear, 100)(s) for s in (0, 2, 4, 9)] == pytest.approx([1, 0.5, 0, 0])
+    # Null: the run's steps, as before.
+    run_long = load_config(None, ["train.lr_schedule=linear"])
+    assert make_lr_factor(run_long, 8)(4) == pytest.approx(0.5)
+    warm = load_config(None, ["train.lr_schedule=cosine", "train.lr_warmup_steps=10", "train.lr_schedule_steps=10"])
+    with pytest.raises(ConfigError, match="not shorter than train.lr_schedule_steps 10"):
+        make_lr_factor(warm, 100)
 
 
 def test_batch_arithmetic_uses_the_world_size():
