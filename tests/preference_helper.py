@@ -6,11 +6,11 @@ through scripts/train.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
+from script_helper import load_script
 from test_awm import TINY, _conditional_velocity
 
 from flowgrpo.config import load_config
@@ -87,9 +87,7 @@ def toy_step(loss_of_errors, targets: list[float], lr: float = 0.05) -> tuple[to
 def train_shapes(preset: str, tmp_path: Path, *overrides: str) -> list[dict]:
     """Two epochs of ``configs/<preset>.yaml`` through scripts/train.py, made small (4 groups of 8, 4 sampling steps,
     micro-batches of 2 groups, no evaluation); the metrics rows that trained."""
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_script("train")
     small = ["run.epochs=2", "eval.every=0", "run.progress=false", "grpo.groups_per_epoch=4", "sampler.num_steps=4"]
     small += ["sampler.batch_size=16", "train.batch_size=16", f"run.output_dir={tmp_path}"]
     assert train.main(["--config", str(ROOT / "configs" / f"{preset}.yaml"), *small, *overrides]) == 0

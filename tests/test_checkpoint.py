@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from script_helper import load_script
 from signal_helper import sigterm_after_epochs
 
 import flowgrpo.checkpoint.save as save_module
@@ -514,12 +515,7 @@ def test_plain_diffusers_evaluation_of_an_export_matches_the_trainers(tmp_path, 
 
 
 def _evaluate_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("evaluate")
 
 
 def _one_layer_lora(transformer, extra_in=0):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -14,12 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from script_helper import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("compare_methods", ROOT / "scripts" / "compare_methods.py")
-cm = importlib.util.module_from_spec(spec)
-sys.modules["compare_methods"] = cm  # dataclasses look their module up
-spec.loader.exec_module(cm)
+cm = load_script("compare_methods", register=True)  # its dataclasses look their module up
 
 
 def test_noise_verdict_is_twice_the_standard_error_of_the_difference():

@@ -3,19 +3,15 @@ for (a sampler's overrides, each seed, the budget), its cache, and the table's r
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from script_helper import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("compare_samplers", ROOT / "scripts" / "compare_samplers.py")
-cs = importlib.util.module_from_spec(spec)
-sys.modules["compare_samplers"] = cs
-spec.loader.exec_module(cs)
+cs = load_script("compare_samplers", register=True)
 cm = cs.cm
 
 GAINS = {"flowgrpo": (0.05, 0.06, 0.07), "cps": (0.15, 0.16, 0.17)}  # colour+count above each seed's base

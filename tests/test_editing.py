@@ -5,7 +5,6 @@ re-scoring, source images from prompt files (and their errors), the reward proto
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import pickle
@@ -16,6 +15,7 @@ import pytest
 import torch
 from diffusers import FluxKontextPipeline
 from PIL import ExifTags, Image
+from script_helper import load_script
 
 from flowgrpo.adapters import ADAPTERS, FluxKontextAdapter, make_adapter
 from flowgrpo.config import SamplerConfig, load_config
@@ -71,9 +71,7 @@ def _pixels(source) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the adapter against FluxKontextPipeline
 def test_kontext_pipeline_gets_its_own_adapter_kind_and_tiny_build(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", ROOT / "scripts" / "make_tiny_pipeline.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("make_tiny_pipeline")
     make_tiny = script.main
 
     pipe = build_tiny_pipeline("flux-kontext")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from preference_helper import ROOT, config, draws, errors, shared_draws, term_loss, train_shapes
 from safetensors.torch import load_file
+from script_helper import load_script
 from test_awm import TINY, _setup
 
 import flowgrpo.offline as offline_module
@@ -171,11 +172,7 @@ def _trainer(out: Path, *overrides: str) -> GRPOTrainer:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     """A store of 6 groups × 4 images of the tiny model, sampled by scripts/sample_offline.py."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample_offline", ROOT / "scripts" / "sample_offline.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("sample_offline")
     out = tmp_path_factory.mktemp("store") / "tiny"
     assert script.main(["--config", str(TINY), "--out", str(out), *OFFLINE]) == 0
     return out
@@ -340,12 +337,7 @@ def _count_hashes(monkeypatch) -> list[Path]:
 
 
 def _train_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    return train
+    return load_script("train")
 
 
 # The usable list names every registered objective that fits: plugins other test modules register at import

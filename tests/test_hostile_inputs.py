@@ -4,13 +4,13 @@ the file, no traceback, and nothing written. The scripts' ``main(argv)`` runs in
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import shutil
 import socket
 from pathlib import Path
 
 import pytest
 import yaml
+from script_helper import load_script
 
 from flowgrpo.checkpoint import list_checkpoints
 from flowgrpo.config import load_config
@@ -23,10 +23,7 @@ NOT_UTF8 = b"a red cube\n\xff\xfe caf\xe9\n"
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"hostile_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 SCRIPTS = {name: _script(name) for name in ("train", "export", "evaluate", "reward_server")}

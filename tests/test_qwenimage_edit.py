@@ -6,7 +6,6 @@ test_editing.py (FLUX.1-Kontext); its sources, prompts and helpers are reused he
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline
 from PIL import Image
+from script_helper import load_script
 from test_editing import PROMPTS, SIZE, SOURCES, _pixels
 
 from flowgrpo.adapters import ADAPTERS, QwenImageEditAdapter, make_adapter
@@ -68,9 +68,7 @@ def _pipe_images(pipe, monkeypatch, sources, prompts, latents, *, steps, cfg, he
 
 # ---------------------------------------------------------------- the pipeline kind and its tiny build
 def test_qwenimage_edit_pipeline_gets_its_own_kind_adapter_and_tiny_build(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", ROOT / "scripts" / "make_tiny_pipeline.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("make_tiny_pipeline")
 
     pipe = build_tiny_pipeline("qwenimage-edit")
     assert isinstance(pipe, QwenImageEditPipeline) and pipeline_kind(pipe) == "qwenimage-edit"

@@ -4,13 +4,13 @@ logits, the model path on tiny random Mask2Former / open_clip configs, and ``scr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from script_helper import load_script
 
 from flowgrpo.data import PromptDataset
 from rewards import build_reward
@@ -396,10 +396,7 @@ def test_bad_clip_pretrained_names_the_key(saved, tmp_path):
 
 @pytest.fixture(scope="module")
 def make_prompts():
-    spec = importlib.util.spec_from_file_location("make_prompts", ROOT / "scripts" / "make_prompts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_prompts")
 
 
 def test_geneval_suite_is_genevals_benchmark(make_prompts):

@@ -2,7 +2,6 @@
 
 import base64
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from script_helper import load_script
 
 from rewards import NonFiniteRewardError, RemoteRewardError, RewardError, build_reward, make_reward_server
 from rewards.base import to_uint8_hwc
@@ -127,9 +127,7 @@ def test_reward_server_script_matches_in_process_scores():
 
 
 def test_reward_server_devices_flag(capsys):
-    spec = importlib.util.spec_from_file_location("reward_server_script", ROOT / "scripts" / "reward_server.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("reward_server")
     assert script.parse_devices("cpu, cpu", None) == ["cpu", "cpu"] and script.parse_devices(None, None) == ["cpu"]
     cases = [
         (["--devices", "99"], "--devices 99: a count means cuda:0 .. cuda:98"),

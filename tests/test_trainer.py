@@ -3,7 +3,6 @@ test_distributed.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_helper import load_script
 
 from flowgrpo.config import load_config
 from flowgrpo.trainer import GRPOTrainer
@@ -145,10 +145,7 @@ def test_bad_configs_exit_with_code_2_and_one_paragraph(tmp_path, capsys, overri
 
 
 def _train_script():
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train")
 
 
 def test_nonfinite_rewards_drop_their_groups_or_stop_clearly(tmp_path):

@@ -6,7 +6,6 @@ frame grid and GIF, and one epoch of the trainer exported to plain diffusers in 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from PIL import Image
 from plain_diffusers import run_plain_diffusers
+from script_helper import load_script
 
 from flowgrpo.adapters import WanAdapter, make_adapter
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
@@ -259,9 +259,7 @@ def test_one_epoch_on_video_then_export_matches_plain_diffusers(tmp_path):
     from flowgrpo.pipelines import detect_kind, load_pipeline, pipeline_kind
     from flowgrpo.trainer import GRPOTrainer
 
-    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", ROOT / "scripts" / "make_tiny_pipeline.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("make_tiny_pipeline")
     base = tmp_path / "base"
     assert script.main([str(base), "--kind", "wan"]) == 0  # scripts/make_tiny_pipeline.py --kind wan
     assert detect_kind(str(base)) == "wan" and pipeline_kind(load_pipeline("tiny-wan", dtype="fp32")) == "wan"
