@@ -298,13 +298,14 @@ class TrainConfig:
     eps: float = 1.0e-8
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
-    lr_schedule: str = "constant"  # diffusers' get_scheduler over run.epochs × the optimizer steps per epoch: constant
-    #                                | constant_with_warmup | linear | cosine | cosine_with_restarts | polynomial. A
+    lr_schedule: str = "constant"  # diffusers' get_scheduler over train.lr_schedule_steps: constant |
+    #                                constant_with_warmup | linear | cosine | cosine_with_restarts | polynomial. A
     #                                function of the optimizer steps taken, so a resumed run continues it
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup from lr 0 (every schedule but constant)
     lr_schedule_steps: int | None = None  # the schedule's length in optimizer steps, held at its last value after;
     #                                       null: run.epochs × the steps per epoch. Set it where the epoch count is
-    #                                       open (run.max_minutes, scripts/compare_methods.py)
+    #                                       open (run.max_minutes, scripts/compare_methods.py); a resume on another
+    #                                       process count keeps its place only with train.updates_per_epoch set
     ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9). Stepped after every micro-batch
     #                   with the optimizer step count s, as Flow-GRPO's EMAModuleWrapper.step
     ema_update_every: int = 1  # the EMA moves only when (s + 1) % this == 0 (Flow-GRPO 8)
@@ -681,10 +682,15 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
             "set train.lr_schedule: constant_with_warmup (or another schedule)"
         )
     check_range("train.lr_schedule_steps", t.lr_schedule_steps, 1, why="null: run.epochs × the steps per epoch")
-    if t.lr_schedule_steps is not None and t.lr_schedule == "constant":
+    if t.lr_schedule_steps is not None and t.lr_schedule in ("constant", "constant_with_warmup"):
         raise ConfigError(
-            f"train.lr_schedule_steps={t.lr_schedule_steps} does nothing with train.lr_schedule=constant; "
-            "set train.lr_schedule (e.g. cosine) or drop train.lr_schedule_steps"
+            f"train.lr_schedule_steps={t.lr_schedule_steps} does nothing with train.lr_schedule={t.lr_schedule}; "
+            "set a decaying train.lr_schedule (e.g. cosine) or drop train.lr_schedule_steps"
+        )
+    if t.lr_schedule_steps is not None and t.lr_warmup_steps >= t.lr_schedule_steps:
+        raise ConfigError(
+            f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than train.lr_schedule_steps="
+            f"{t.lr_schedule_steps}; lower train.lr_warmup_steps or raise train.lr_schedule_steps"
         )
     _check_ranges(config)
     total = g.group_size * g.groups_per_epoch

@@ -31,8 +31,10 @@ def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
     ``train.lr_schedule`` over ``train.lr_schedule_steps`` optimizer steps, or over ``total_steps`` (run.epochs × the
     steps per epoch) when that is null; past the schedule's end the factor stays at its last value (diffusers' cosine
     would rise again). The trainer sets the lr before every backward from the epoch and the accumulation cycle
-    within it, so a resumed run, even on another process count, continues the schedule with nothing more to
-    checkpoint, and a skipped non-finite step does not shift it."""
+    within it, so a resumed run continues the schedule with nothing more to checkpoint, and a skipped non-finite step
+    does not shift it. On another process count the steps per epoch may differ (unless ``train.updates_per_epoch``
+    fixes them): the run-long schedule keeps its fraction, one of ``train.lr_schedule_steps`` its step count at the
+    new rate."""
     t = config.train
     length = t.lr_schedule_steps or total_steps
     if t.lr_schedule != "constant" and t.lr_warmup_steps >= length:

@@ -200,7 +200,7 @@ def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
         for key, (preset, overrides) in setups.items():
             configs[key] = load_config(_preset_path(preset), overrides)
             train = configs[key].train
-            if train.lr_schedule != "constant" and train.lr_schedule_steps is None:
+            if train.lr_schedule not in ("constant", "constant_with_warmup") and train.lr_schedule_steps is None:
                 raise ConfigError(
                     f"{key}: train.lr_schedule={train.lr_schedule} runs over run.epochs, which a time budget leaves "
                     "open: set train.lr_schedule_steps (its length in optimizer steps) or train.lr_schedule=constant"

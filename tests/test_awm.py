@@ -37,7 +37,7 @@ def _with_lora(adapter):
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
             elif "lora_A" in name:  # peft's gaussian init (std 1/r) drew from the global RNG: whatever ran before
-                p.normal_(0, 1 / 4, generator=torch.Generator().manual_seed(len(name) + 1))
+                p.normal_(0, 1 / 4, generator=torch.Generator().manual_seed(1000 + len(name)))
     return adapter
 
 

@@ -126,6 +126,8 @@ def test_two_processes_launch_each_run_under_ddp_in_its_own_folder(fake_training
     assert cm.load_budgeted({"shapes": ("shapes", cosine)}, args) is None
     assert "set train.lr_schedule_steps" in capsys.readouterr().err
     assert cm.load_budgeted({"shapes": ("shapes", [*cosine, "train.lr_schedule_steps=280"])}, args) is not None
+    warmup = ["train.lr_schedule=constant_with_warmup", "train.lr_warmup_steps=4", "train.batch_size=16"]
+    assert cm.load_budgeted({"shapes": ("shapes", warmup)}, args) is not None  # its length does not matter
 
     fake_training.clear()  # one process: the command as before, the folder without a process count
     assert cm.main([*argv[:6], "--jobs", "1", *argv[10:]]) == 0

@@ -100,8 +100,9 @@ def test_at_the_reference_the_dpo_gradient_is_awms_on_the_pair_times_beta_over_2
     awm = (torch.tensor([1.0, -1.0, 1.0, -1.0]) * ((v - (noise - x0)) ** 2).mean(dim=(1, 2, 3))).mean()
     want = torch.autograd.grad(awm, params)
     for a, b in zip(got, want, strict=True):
-        # The same forward, differenced and summed in another order: fp32 rounding, relative to the largest entry.
-        torch.testing.assert_close(a, 10 * b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+        # The same forward, differenced and summed in another order: fp32 rounding, relative to the largest entry
+        # (an entry cancelling in the sums can differ by ~3e-5 of it: seen with another LoRA A draw).
+        torch.testing.assert_close(a, 10 * b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
     assert any(b.abs().sum() > 0 for b in want)
 
 

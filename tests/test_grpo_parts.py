@@ -145,6 +145,10 @@ def test_config_overrides_types_and_defaults(tmp_path):
         (["train.lr_warmup_steps=2"], r"set train.lr_schedule: constant_with_warmup"),
         (["train.lr_schedule=cosine", "train.lr_schedule_steps=0"], r"train.lr_schedule_steps must be >= 1"),
         (["train.lr_schedule_steps=100"], r"does nothing with train.lr_schedule=constant"),
+        (
+            ["train.lr_schedule=constant_with_warmup", "train.lr_warmup_steps=2", "train.lr_schedule_steps=100"],
+            r"does nothing with train.lr_schedule=constant_with_warmup",
+        ),
     ],
 )
 def test_config_errors_name_key_and_fix(overrides, message):
@@ -173,9 +177,9 @@ def test_an_lr_schedule_of_its_own_length_follows_diffusers_then_holds():
     # Null: the run's steps, as before.
     run_long = load_config(None, ["train.lr_schedule=linear"])
     assert make_lr_factor(run_long, 8)(4) == pytest.approx(0.5)
-    warm = load_config(None, ["train.lr_schedule=cosine", "train.lr_warmup_steps=10", "train.lr_schedule_steps=10"])
-    with pytest.raises(ConfigError, match="not shorter than train.lr_schedule_steps 10"):
-        make_lr_factor(warm, 100)
+    # The warmup must end inside the schedule: refused from the config alone, before any run.
+    with pytest.raises(ConfigError, match="lower train.lr_warmup_steps or raise train.lr_schedule_steps"):
+        load_config(None, ["train.lr_schedule=cosine", "train.lr_warmup_steps=10", "train.lr_schedule_steps=10"])
 
 
 def test_batch_arithmetic_uses_the_world_size():

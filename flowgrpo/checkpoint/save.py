@@ -199,6 +199,12 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
         acc.print(
             f"warning: checkpoint written by {state['world_size']} processes, resuming on {acc.num_processes}; "
             "the epoch plan is unchanged but per-process noise differs"
+            + (
+                "; train.lr_schedule_steps counts this run's optimizer steps per epoch (set train.updates_per_epoch "
+                "to keep them)"
+                if parts.config.train.lr_schedule_steps
+                else ""
+            )
         )
     if parts.reference is not None:
         saved, epoch = reference or ({}, None)
