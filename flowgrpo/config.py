@@ -682,7 +682,7 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
             "set train.lr_schedule: constant_with_warmup (or another schedule)"
         )
     check_range("train.lr_schedule_steps", t.lr_schedule_steps, 1, why="null: run.epochs × the steps per epoch")
-    if t.lr_schedule_steps is not None and t.lr_schedule in ("constant", "constant_with_warmup"):
+    if t.lr_schedule_steps is not None and t.lr_schedule in LENGTHLESS_LR_SCHEDULES:
         raise ConfigError(
             f"train.lr_schedule_steps={t.lr_schedule_steps} does nothing with train.lr_schedule={t.lr_schedule}; "
             "set a decaying train.lr_schedule (e.g. cosine) or drop train.lr_schedule_steps"
@@ -778,6 +778,7 @@ VIDEO_KINDS = FamilyNames(video=True)  # model kinds that generate clips (model.
 # diffusers.optimization.get_scheduler's names that need nothing but warmup and total steps (piecewise_constant
 # takes step rules: not offered).
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+LENGTHLESS_LR_SCHEDULES = ("constant", "constant_with_warmup")  # flat after any warmup: no length to set
 
 
 def accumulation_steps(config: Config, world_size: int) -> int:

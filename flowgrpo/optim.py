@@ -37,10 +37,10 @@ def make_lr_factor(config: Config, total_steps: int) -> Callable[[int], float]:
     new rate."""
     t = config.train
     length = t.lr_schedule_steps or total_steps
-    if t.lr_schedule != "constant" and t.lr_warmup_steps >= length:
-        key = "train.lr_schedule_steps" if t.lr_schedule_steps else "the run's"
+    if t.lr_schedule != "constant" and t.lr_warmup_steps >= length:  # validate() checked train.lr_schedule_steps
         raise ConfigError(
-            f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than {key} {length} optimizer steps; lower it"
+            f"train.lr_warmup_steps={t.lr_warmup_steps} is not shorter than the run's {length} "
+            "optimizer steps; lower it"
         )
     # get_scheduler wants an optimizer; at train.lr because polynomial's end lr (1e-7) is absolute.
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)

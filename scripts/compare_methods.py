@@ -188,7 +188,13 @@ def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
     (:func:`processes_problem`, or a config's batches at that many processes). With several processes, warns on
     stderr when a config's optimizer steps per epoch differ from its preset's at one process (``train.batch_size``
     is per process)."""
-    from flowgrpo.config import ConfigError, load_config, optimizer_steps_per_epoch, validate
+    from flowgrpo.config import (
+        LENGTHLESS_LR_SCHEDULES,
+        ConfigError,
+        load_config,
+        optimizer_steps_per_epoch,
+        validate,
+    )
 
     processes = getattr(args, "processes", 1)
     problem = processes_problem(processes, args.jobs, args.clock)
@@ -200,7 +206,7 @@ def load_budgeted(setups: dict, args: argparse.Namespace) -> dict | None:
         for key, (preset, overrides) in setups.items():
             configs[key] = load_config(_preset_path(preset), overrides)
             train = configs[key].train
-            if train.lr_schedule not in ("constant", "constant_with_warmup") and train.lr_schedule_steps is None:
+            if train.lr_schedule not in LENGTHLESS_LR_SCHEDULES and train.lr_schedule_steps is None:
                 raise ConfigError(
                     f"{key}: train.lr_schedule={train.lr_schedule} runs over run.epochs, which a time budget leaves "
                     "open: set train.lr_schedule_steps (its length in optimizer steps) or train.lr_schedule=constant"

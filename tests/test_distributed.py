@@ -56,6 +56,11 @@ FREE_PORT = ["--main_process_port", "0"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
+def _uses_deepspeed(launcher: list[str]) -> bool:
+    """A DeepSpeed launch: ``--use_deepspeed`` or one of configs/accelerate/deepspeed_*.yaml."""
+    return any("deepspeed" in flag for flag in launcher)
+
+
 def _launch(
     launcher: list[str],
     output_dir: Path,
@@ -63,7 +68,7 @@ def _launch(
     script: str = "scripts/train.py",
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    if any("deepspeed" in flag for flag in launcher):  # gloo, not a kernel compiled first (tests/loss_driver.py)
+    if _uses_deepspeed(launcher):  # gloo, not a kernel compiled first (tests/loss_driver.py)
         script = "tests/loss_driver.py" if script == "scripts/train.py" else script
         env = {"FLOWGRPO_TEST_DEEPSPEED_SHM": "off", **(env or {})}
     cmd = [
@@ -343,7 +348,7 @@ def _refusal_in_process(launcher: list[str], tmp_path: Path, monkeypatch, *overr
     from flowgrpo.config import ConfigError, load_config
     from flowgrpo.trainer import GRPOTrainer
 
-    if any("deepspeed" in flag for flag in launcher):  # gloo, not a kernel compiled first, as _launch
+    if _uses_deepspeed(launcher):  # gloo, not a kernel compiled first, as _launch
         monkeypatch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
     launched: dict[str, str] = {}
     monkeypatch.setattr(accelerate_launch, "_run_torchrun", lambda args: launched.update(os.environ))
