@@ -378,7 +378,8 @@ def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]
     if checkpoint is None:  # LoRA initialised to the identity: the shipped model itself
         adapter = build_adapter(config.model, "cpu")
     else:
-        adapter = adapter_from_checkpoint(config, checkpoint, device="cpu")
+        # The weights the run's own evaluation would use: its EMA where eval.use_ema asks for it.
+        adapter = adapter_from_checkpoint(config, checkpoint, ema=config.eval.use_ema, device="cpu")
     summary, _, prompts, _ = evaluate(
         adapter, dataset, reward, config.eval, resolution=config.model.size, seed=config.run.seed
     )

@@ -176,3 +176,23 @@ def test_several_processes_are_refused_on_the_cpu_clock_and_on_shared_cores(
     assert cm.processes_problem(2, 2, "wall") is not None and cm.processes_problem(1, 2, "cpu") is None
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     assert cm.processes_problem(2, 2, "wall") is None
+
+
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_a_final_model_is_evaluated_with_the_weights_its_run_would_evaluate(monkeypatch, tmp_path, use_ema):
+    # A run with eval.use_ema evaluates (and exports with --ema) its EMA weights; the table must read the same ones.
+    import flowgrpo.evaluation
+    import flowgrpo.export
+    from flowgrpo.config import load_config
+
+    loaded = {}
+
+    def adapter_from_checkpoint(config, checkpoint, *, ema=False, **_):
+        loaded.update(checkpoint=checkpoint, ema=ema)
+        return object()
+
+    monkeypatch.setattr(flowgrpo.export, "adapter_from_checkpoint", adapter_from_checkpoint)
+    monkeypatch.setattr(flowgrpo.evaluation, "evaluate", lambda *_, **__: ({cm.COLOR_COUNT: 0.5}, None, ["p"], None))
+    config = load_config(ROOT / "configs" / "shapes.yaml", ["train.ema=0.9", f"eval.use_ema={str(use_ema).lower()}"])
+    assert cm._evaluate(config, tmp_path, 1) == {cm.COLOR_COUNT: 0.5, "images": 1.0}
+    assert loaded == {"checkpoint": tmp_path, "ema": use_ema}
