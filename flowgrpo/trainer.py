@@ -194,6 +194,7 @@ class GRPOTrainer:
                 run_dir=self.run_dir,
                 family=self.adapter.family,
                 reference=self.kl_reference,
+                objective=self.objective,
             )
             resume_run(parts, resume, self.run_lock, new_run=run_dir is None, warn=warn)
         self.stop = StopRequest()
@@ -271,6 +272,7 @@ class GRPOTrainer:
             run_dir=self.run_dir,
             family=self.adapter.family,
             reference=self.kl_reference,
+            objective=self.objective,
         )
         if every and self.state.epoch == 0:
             self._log({"epoch": 0, **self.run_eval(0)}, 0)
@@ -351,7 +353,8 @@ class GRPOTrainer:
         self.generator.manual_seed(cfg.run.seed * 1_000_003 + epoch * 1_009 + self.rank)
         self.scorer = AsyncReward(self.reward, max_pending=2)
         self.adapter.transformer.eval()
-        collected = self.rollouts.collect(epoch)
+        with self.objective.sampling_weights(self.params, self.state.global_step):
+            collected = self.rollouts.collect(epoch)
         if collected is None:
             self.scorer.close()
             return None

@@ -13,7 +13,7 @@ from test_awm import PROMPTS, TINY, _conditional_velocity, _draws, _setup
 
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.objectives import MicroBatch
-from flowgrpo.objectives.nft import OldWeights, nft_loss
+from flowgrpo.objectives.nft import OldWeights, nft_loss, old_decay
 from flowgrpo.trainer import GRPOTrainer
 
 NFT = ["grpo.objective=nft", "sampler.noise_level=0"]
@@ -153,6 +153,11 @@ def test_old_weights_run_a_block_on_the_snapshot_and_restore_the_storage():
         ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"),
         ("grpo.nft.timesteps=0", "grpo.nft.timesteps"),
         ("grpo.nft.logit_std=0", "grpo.nft.logit_std"),
+        ("grpo.nft.old_decay_rate=0.001", "needs grpo.nft.old_decay_max"),  # η would stay 0
+        ("grpo.nft.old_decay_max=0.5", "needs grpo.nft.old_decay_rate"),
+        ("grpo.nft.old_decay_start=75", "grpo.nft.old_decay_start=75 does nothing"),
+        ("grpo.nft.old_decay_max=1", "grpo.nft.old_decay_max"),  # the old weights would never move
+        ("grpo.nft.old_decay_start=-1", "grpo.nft.old_decay_start"),
     ],
 )
 def test_nft_config_mistakes_name_the_key(override, key):
@@ -197,3 +202,78 @@ def test_trainer_with_nft_takes_the_old_weights_when_each_epochs_training_starts
     assert all(torch.equal(s, p) for s, p in zip(snapshots[0], start, strict=True))
     assert any(not torch.equal(s, p) for s, p in zip(snapshots[1], start, strict=True))
     assert any(not torch.equal(s, p.detach()) for s, p in zip(snapshots[1], params, strict=True))
+
+
+def test_old_decay_is_diffusionnfts_return_decay():
+    # train_nft_sd3.py's decay_type 1 (flat 0, uprate 0.001, uphold 0.5) and 2 (flat 75, uprate 0.0075, uphold 0.999)
+    type1 = [old_decay(step, 0.001, 0.5) for step in (0, 1, 250, 500, 10_000)]
+    assert type1 == pytest.approx([0.0, 0.001, 0.25, 0.5, 0.5])
+    type2 = [old_decay(step, 0.0075, 0.999, 75) for step in (0, 74, 75, 175, 10_000)]
+    assert type2 == pytest.approx([0.0, 0.0, 0.0, 0.75, 0.999])
+
+
+def test_soft_update_samples_each_epoch_with_the_mixed_old_weights_and_trains_against_them(tmp_path):
+    # 2 optimizer steps an epoch, η grows by 0.25 a step up to 0.9: 0.5 before epoch 1's rollout, 0.9 before epoch 2's
+    decay = ["grpo.nft.old_decay_rate=0.25", "grpo.nft.old_decay_max=0.9"]
+    config = _config(f"run.output_dir={tmp_path}", "run.epochs=3", "eval.every=0", *decay)
+    trainer = GRPOTrainer(config)
+    params = _trainable(trainer.adapter)
+    weights = lambda: [p.detach().clone() for p in params]  # noqa: E731
+    sampled, trained_from, trained_to, olds = [], [], [], []
+    collect, train_on = trainer.rollouts.collect, trainer.train_on
+
+    def recording_collect(epoch):
+        sampled.append(weights())
+        return collect(epoch)
+
+    def recording_train_on(*args):
+        trained_from.append(weights())
+        stats = train_on(*args)
+        trained_to.append(weights())
+        olds.append([s.clone() for s in trainer.objective.old_weights.saved])
+        return stats
+
+    trainer.rollouts.collect, trainer.train_on = recording_collect, recording_train_on
+    trainer.fit()
+    assert trainer.state.global_step == 6
+
+    def close(a, b):
+        return all(torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(a, b, strict=True))
+
+    assert close(sampled[0], trained_from[0])  # epoch 0: the initial weights, nothing to mix
+    for epoch, eta in ((1, 0.5), (2, 0.9)):
+        mixed = [eta * o + (1 - eta) * c for o, c in zip(sampled[epoch - 1], trained_to[epoch - 1], strict=True)]
+        assert close(sampled[epoch], mixed)  # the rollout ran on η old + (1 - η) current
+        assert close(trained_from[epoch], trained_to[epoch - 1])  # and the live weights came back for training
+        assert close(olds[epoch], mixed)  # the loss's old weights are the ones that sampled
+        assert not close(sampled[epoch], trained_from[epoch])
+    saved = trainer.objective.checkpoint_weights()
+    assert saved is not None and close(saved, olds[2])
+
+
+def test_the_soft_update_mixes_from_the_last_trained_epoch_so_a_redone_rollout_samples_the_same_weights(tmp_path):
+    config = _config(
+        f"run.output_dir={tmp_path}",
+        "run.epochs=1",
+        "eval.every=0",
+        "grpo.nft.old_decay_rate=0.3",
+        "grpo.nft.old_decay_max=0.6",
+    )
+    trainer = GRPOTrainer(config)
+    trainer.fit()
+    objective, params = trainer.objective, _trainable(trainer.adapter)
+    seen = []
+    for _ in range(2):  # a rollout abandoned (a stop during sampling), then redone
+        with objective.sampling_weights(params, trainer.state.global_step):
+            seen.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*seen, strict=True))
+    eta = old_decay(trainer.state.global_step, 0.3, 0.6)
+    expected = [eta * o + (1 - eta) * p.detach() for o, p in zip(objective.old_weights.saved, params, strict=True)]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(seen[0], expected, strict=True))
+    # A checkpoint written without the soft update holds none: they restart from the current weights, said aloud.
+    live = [p.detach().clone() for p in params]
+    assert any(not torch.equal(a, b) for a, b in zip(seen[0], live, strict=True))
+    assert "holds no old weights" in objective.restore_weights(None, params)
+    assert objective.checkpoint_weights() is None
+    with objective.sampling_weights(params, trainer.state.global_step):
+        assert all(torch.equal(p, q) for p, q in zip(params, live, strict=True))

@@ -30,6 +30,7 @@ from .layout import (
     CONFIG_FILE,
     EMA_FILE,
     METRICS_FILE,
+    OLD_WEIGHTS_FILE,
     PREFIX,
     REFERENCE_FILE,
     RUN_FILE,
@@ -129,7 +130,7 @@ def verify_checkpoint(checkpoint: Path) -> None:
     state = read_json(checkpoint / STATE_FILE)
     if not isinstance(state, dict) or not isinstance(state.get("epoch"), int):
         raise damaged(checkpoint / STATE_FILE, "no epoch")
-    for name in (ADAPTER_FILE, EMA_FILE, REFERENCE_FILE):
+    for name in (ADAPTER_FILE, EMA_FILE, REFERENCE_FILE, OLD_WEIGHTS_FILE):
         file = checkpoint / name
         if name == ADAPTER_FILE or file.exists():
             with reading(file):

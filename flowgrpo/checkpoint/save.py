@@ -35,6 +35,7 @@ from .layout import (
     CHECKPOINTS,
     CONFIG_FILE,
     EMA_FILE,
+    OLD_WEIGHTS_FILE,
     REFERENCE_FILE,
     STATE_FILE,
     checkpoint_name,
@@ -50,6 +51,7 @@ from .safe_io import CheckpointError, read_json, reading, write_text, writing
 if TYPE_CHECKING:
     from ..config import Config
     from ..ema import EMA
+    from ..objectives import Objective
     from ..objectives.reference import KLReference
 
 # TrainState fields a resume restores (state.json holds them all, and the checkpoint's own bookkeeping).
@@ -71,6 +73,7 @@ class CheckpointParts:
     run_dir: Path
     family: str  # the model family (the adapter's): recorded as trained_on["model.kind"]
     reference: KLReference | None = None  # the KL reference's reset schedule and snapshot (grpo.kl.reset_every)
+    objective: Objective | None = None  # the weights it carries across epochs (Objective.checkpoint_weights)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -111,6 +114,7 @@ def save_checkpoint(parts: CheckpointParts, epoch: int, rng: dict[str, Any] | No
         weights = lora_state(model) if gather else {}
         shadow = [full_tensor(s).cpu() for s in parts.ema.shadow] if gather and parts.ema is not None else []
         snapshot = parts.reference.snapshot if parts.reference is not None else None
+        carried = parts.objective.checkpoint_weights() if parts.objective is not None else None
         # RNG states are per process; everything else is replicated and written once.
         write_rng_state(tmp, acc.process_index, rng if rng is not None else rng_state())
         if acc.is_main_process:
@@ -127,6 +131,8 @@ def save_checkpoint(parts: CheckpointParts, epoch: int, rng: dict[str, Any] | No
             if snapshot is not None:  # whole tensors on every process (a reset refuses sharded parameters)
                 saved = [s.detach().float().cpu() for s in snapshot.saved]
                 _save_named(tmp / REFERENCE_FILE, names, saved, {"epoch": str(parts.reference.epoch)})
+            if carried is not None:  # whole tensors on every process (the objective refuses sharded parameters)
+                _save_named(tmp / OLD_WEIGHTS_FILE, names, [w.detach().float().cpu() for w in carried], {})
             write_text(tmp / CONFIG_FILE, parts.config.to_yaml())
             trained = {
                 "model.pretrained": parts.config.model.pretrained,
@@ -182,6 +188,7 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
             weights = load_file(str(adapter_file))
         ema = read_weights(checkpoint, ema=True) if parts.ema is not None else None
         reference = _read_reference(checkpoint) if parts.reference is not None else None
+        carried = _read_carried(checkpoint) if parts.objective is not None else None
         state = read_json(checkpoint / STATE_FILE)
         rng = read_rng_state(checkpoint, acc.process_index)
     except CheckpointError as err:
@@ -209,6 +216,11 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
     if parts.reference is not None:
         saved, epoch = reference or ({}, None)
         parts.reference.load([saved[n] for n in trainable_names(model)] if saved else None, epoch, parts.params)
+    if parts.objective is not None:
+        names = trainable_names(model)
+        warning = parts.objective.restore_weights([carried[n] for n in names] if carried else None, parts.params)
+        if warning:
+            acc.print(f"warning: {warning}")
     for key in RESTORED:
         if key in state:
             setattr(parts.state, key, state[key])
@@ -272,6 +284,15 @@ def _read_reference(checkpoint: Path) -> tuple[dict[str, torch.Tensor], int] | N
         with safe_open(str(file), "pt") as handle:
             epoch = int((handle.metadata() or {})["epoch"])
         return load_file(str(file)), epoch
+
+
+def _read_carried(checkpoint: Path) -> dict[str, torch.Tensor] | None:
+    """The weights the objective carried across epochs (``old_weights.safetensors``), or None: it holds none."""
+    file = checkpoint / OLD_WEIGHTS_FILE
+    if not file.is_file():
+        return None
+    with reading(file):
+        return load_file(str(file))
 
 
 def _raise(failure: BaseException | None, elsewhere: str) -> None:

@@ -8,8 +8,8 @@ An objective is a class registered by name::
         rollout = "ode"                    # "sde_window": the window's SDE transitions are stored and re-scored
                                            # "ode": the rollout is the plain ODE, the final samples are trained
         samples_from_current_weights = False  # True: the loss assumes the epoch's samples were drawn with the
-                                              # weights its training starts from (old weights, a likelihood ratio):
-                                              # refused on samples drawn once (sampler.rollout: offline)
+                                              # weights its training compares with (old weights, a likelihood
+                                              # ratio): refused on samples drawn once (sampler.rollout: offline)
 
         def loss(self, adapter, batch):    # batch: MicroBatch -> (scalar to backward, {metric: scalar})
             ...
@@ -21,13 +21,16 @@ micro-batch for its terms
 settings and their validation, what it refuses under sharded parameters, what the rollout must keep for it beyond
 the log-probs (:attr:`Objective.needs_sampling_means`), whether its loss compares the images of a group
 (:meth:`Objective.needs_whole_groups`: pairs, group sums), state for one epoch (DiffusionNFT's old weights,
-:meth:`Objective.begin_epoch`), whether its samples must come from the weights being trained
+:meth:`Objective.begin_epoch`; and carried across epochs, :meth:`Objective.sampling_weights`,
+:meth:`Objective.checkpoint_weights`), whether its samples must come from the weights being trained
 (:attr:`Objective.samples_from_current_weights`) — lives in its module.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -171,8 +174,23 @@ class Objective:
         for j in range(positions.shape[1]):
             yield MicroBatch(trajectory, advantages, positions[:, j], generator)
 
+    def sampling_weights(self, params: list[torch.nn.Parameter], step: int) -> AbstractContextManager:
+        """The context the epoch's rollout runs in, after ``step`` optimizer steps: the weights it samples with.
+        Default: the trainable weights as they are (DiffusionNFT's soft update swaps in its old weights)."""
+        return contextlib.nullcontext()
+
     def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
         """Called before an epoch's first update with the trainable parameters (e.g. to keep the old weights)."""
+
+    def checkpoint_weights(self) -> list[Tensor] | None:
+        """Weights the objective carries from epoch to epoch, in the trainable parameters' order, for a checkpoint to
+        save (``old_weights.safetensors``); None: none."""
+        return None
+
+    def restore_weights(self, saved: list[Tensor] | None, params: list[torch.nn.Parameter]) -> str | None:
+        """Take back what :meth:`checkpoint_weights` saved (None: the checkpoint holds none); a warning to print, or
+        None."""
+        return None
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """The scalar to backward for one term, and detached scalars to log as ``train/<key>`` (mean over the epoch's

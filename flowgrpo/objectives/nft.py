@@ -20,9 +20,13 @@ With v_θ = v_old (the epoch's first step) the gradient is AWM's with clip(A, -c
 logit_std²))``, ``grpo.nft.time_shift``; ``grpo.nft.cfg``), and ``grpo.kl.beta`` adds β_KL · mean|v_θ - v_ref|² to
 the adapter-disabled model. The old velocity is one more forward without gradient, on the trainable weights as they
 were when the epoch's training began (:class:`OldWeights`; the paper's soft "old" update with decay 0); until the
-epoch's first optimizer step moves them it is the current velocity, detached, and that forward is skipped. Deliberately
-simpler than the paper's code: σ comes from the logit-normal above rather than from the sampler's schedule, and
-rollouts sample with the current weights (its decay > 0 samples with a slowly moving average).
+epoch's first optimizer step moves them it is the current velocity, detached, and that forward is skipped. With
+``grpo.nft.old_decay_max`` > 0 the old weights follow the paper's soft update instead, θ_old ← η θ_old + (1 - η) θ
+before each epoch with η from :func:`old_decay` (its ``return_decay``), and the epoch's rollout samples with them, as
+the paper's code does (so the logged rewards and sample grids are the old weights'); they are carried from epoch to
+epoch and saved with checkpoints (``old_weights.safetensors``), and differ from the live weights from the epoch's first
+term on, so the old forward is never skipped then.
+Deliberately simpler than the paper's code: σ comes from the logit-normal above rather than from the sampler's schedule.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from ..checks import check_range
+from ..checks import ConfigError, check_range
 from .base import MicroBatch, register_objective
 from .forward import ForwardProcessConfig, ForwardProcessObjective, noised_point, velocity, velocity_kl
 
@@ -50,12 +54,19 @@ class NFTConfig(ForwardProcessConfig):
 
     beta: float = 1.0  # β of the implicit policies v± = v_old ± β (v_θ - v_old): the trust region (DiffusionNFT: 1)
     adv_clip_max: float = 5.0  # c: advantages clipped to ±c, r = A / 2c + 1/2 (DiffusionNFT: 5)
+    # DiffusionNFT's soft update of the old weights, which then also sample the epochs: before each epoch's rollout
+    # old ← η old + (1 - η) current, η = old_decay(optimizer steps, rate, max, start). max 0: η = 0, the old weights
+    # are the current ones (the default). DiffusionNFT decay_type 1: rate 0.001, max 0.5; type 2: 0.0075, 0.999, 75.
+    old_decay_rate: float = 0.0  # η's growth per optimizer step
+    old_decay_max: float = 0.0  # η's cap, below 1
+    old_decay_start: int = 0  # optimizer steps with η = 0 first
 
 
 class OldWeights:
-    """A copy of the trainable weights, taken when an epoch's training starts; ``swapped_in()`` runs a block on it, and
-    ``moved()`` says whether an optimizer step has changed the live weights since (until then the old forward is the
-    current one: the objectives skip it).
+    """A copy of the trainable weights (taken when an epoch's training starts, or before its rollout, where
+    DiffusionNFT's soft update then mixes it with the previous epoch's); ``swapped_in()`` runs a block on it, and
+    ``moved()`` says whether the live weights differ from it (an optimizer step since the copy, or the mix; until then
+    the old forward is the current one: the objectives skip it).
 
     The swap exchanges the parameters' storage (``p.data``: no copy, nothing written into the live storage) and
     restores it on exit. What it requires: a forward without gradient inside the block, and the block closed before
@@ -96,8 +107,9 @@ def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:
 
 
 class OldWeightsObjective(ForwardProcessObjective):
-    """Base of the forward-process objectives that compare with the old weights (``nft``, ``fpo``): the trainable
-    weights as each epoch's training begins, which the epoch's samples were drawn with (:class:`OldWeights`)."""
+    """Base of the forward-process objectives that compare with the old weights (``nft``, ``fpo``): the weights the
+    epoch's samples were drawn with (:class:`OldWeights`), the trainable weights as each epoch's training begins
+    unless a soft update (:meth:`old_decay`, nft's ``grpo.nft.old_decay_*``) mixes in the previous epoch's."""
 
     refuses_sharded: ClassVar[str | None] = (
         "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
@@ -107,26 +119,96 @@ class OldWeightsObjective(ForwardProcessObjective):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.old_weights: OldWeights | None = None
+        self.old_weights: OldWeights | None = None  # the last trained epoch's, once one trained
+        self._sampled: OldWeights | None = None  # this epoch's soft-updated ones, from its rollout to its training
+
+    def old_decay(self, step: int) -> float | None:
+        """η of the soft update after ``step`` optimizer steps; None: no soft update (the old weights are the current
+        ones at each epoch's start). The base has none; :class:`NFT` reads ``grpo.nft.old_decay_*``."""
+        return None
+
+    def sampling_weights(self, params: list[torch.nn.Parameter], step: int) -> contextlib.AbstractContextManager:
+        """With a soft update, the epoch's old weights η θ_old + (1 - η) θ (θ_old: the last trained epoch's), swapped in
+        for the rollout and kept for the epoch's loss (:meth:`begin_epoch`). Without one, the current weights.
+        Computed from the last *trained* epoch's old weights, so an epoch abandoned during sampling and redone after
+        a resume mixes the same ones."""
+        eta = self.old_decay(step)
+        if eta is None:
+            return contextlib.nullcontext()
+        self._sampled = OldWeights(params)
+        if eta > 0 and self.old_weights is not None:
+            for mixed, old in zip(self._sampled.saved, self.old_weights.saved, strict=True):  # in place: no more copies
+                mixed.mul_(1 - eta).add_(old, alpha=eta)
+        return self._sampled.swapped_in() if self._sampled.moved() else contextlib.nullcontext()
 
     def begin_epoch(self, params: list[torch.nn.Parameter]) -> None:
+        sampled, self._sampled = self._sampled, None
+        self.old_weights = sampled if sampled is not None else OldWeights(params)
+
+    def checkpoint_weights(self) -> list[Tensor] | None:
+        return self.old_weights.saved if self.old_decay(0) is not None and self.old_weights is not None else None
+
+    def restore_weights(self, saved: list[Tensor] | None, params: list[torch.nn.Parameter]) -> str | None:
+        self._sampled = None
+        if saved is None or self.old_decay(0) is None:
+            self.old_weights = None
+            if self.old_decay(0) is not None:
+                return (
+                    f"the checkpoint holds no old weights for grpo.objective={self.name}'s soft update "
+                    "(grpo.nft.old_decay_max); they restart from the current weights"
+                )
+            return None
         self.old_weights = OldWeights(params)
+        self.old_weights.saved = [s.to(device=p.device, dtype=p.dtype) for s, p in zip(saved, params, strict=True)]
+        return None
 
 
 @register_objective("nft")
 class NFT(OldWeightsObjective):
-    """DiffusionNFT's negative-aware loss; the old weights are the trainable weights as the epoch's training began."""
+    """DiffusionNFT's negative-aware loss; the old weights are the trainable weights as the epoch's training began, or
+    with ``grpo.nft.old_decay_max`` > 0 the paper's soft update of them, which also samples the epoch."""
 
     config_class: ClassVar[type] = NFTConfig
 
     @classmethod
     def validate(cls, config: Config) -> None:
         super().validate(config)
-        check_range("grpo.nft.beta", config.grpo.nft.beta, 0, low_open=True)
-        check_range("grpo.nft.adv_clip_max", config.grpo.nft.adv_clip_max, 0, low_open=True)
+        s = config.grpo.nft
+        check_range("grpo.nft.beta", s.beta, 0, low_open=True)
+        check_range("grpo.nft.adv_clip_max", s.adv_clip_max, 0, low_open=True)
+        check_range("grpo.nft.old_decay_rate", s.old_decay_rate, 0)
+        check_range("grpo.nft.old_decay_max", s.old_decay_max, 0, 1, high_open=True)
+        check_range("grpo.nft.old_decay_start", s.old_decay_start, 0)
+        if s.old_decay_start and not s.old_decay_max:
+            raise ConfigError(
+                f"grpo.nft.old_decay_start={s.old_decay_start} does nothing without the soft update: set "
+                "grpo.nft.old_decay_rate and grpo.nft.old_decay_max > 0 too (DiffusionNFT's decay_type 2: 0.0075, "
+                "0.999, start 75), or old_decay_start: 0"
+            )
+        if (s.old_decay_max > 0) != (s.old_decay_rate > 0):
+            keys = ("old_decay_max", "old_decay_rate")
+            set_, unset = keys if s.old_decay_max > 0 else keys[::-1]
+            raise ConfigError(
+                f"grpo.nft.{set_}={getattr(s, set_)} needs grpo.nft.{unset} > 0 too (η grows by old_decay_rate per "
+                f"optimizer step up to old_decay_max; DiffusionNFT's decay_type 1: 0.001 and 0.5); or set both to 0"
+            )
+
+    def old_decay(self, step: int) -> float | None:
+        s = self.settings
+        return old_decay(step, s.old_decay_rate, s.old_decay_max, s.old_decay_start) if s.old_decay_max > 0 else None
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         return nft_loss(adapter, self.settings, self.config.grpo.kl.beta, batch, self.old_weights)
+
+
+def old_decay(step: int, rate: float, cap: float, start: int = 0) -> float:
+    """DiffusionNFT's soft-update coefficient after ``step`` optimizer steps (its ``return_decay``)::
+
+        η = 0                                   step < start
+        η = min((step - start) · rate, cap)     otherwise
+
+    Its decay_type 1 is rate 0.001, cap 0.5, start 0 (its SD3.5 configs); type 2 is 0.0075, 0.999, 75."""
+    return 0.0 if step < start else min((step - start) * rate, cap)
 
 
 def nft_loss(
