@@ -18,6 +18,17 @@ from flowgrpo.adapters import make_adapter
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
 from flowgrpo.tiny import build_tiny_pipeline
 
+# Re-scoring a stored transition runs the transformer on another batch than the rollout did. Where the CPU's matmul
+# kernels are not batch-invariant (seen on an Intel Xeon; an AMD EPYC gives bit-equal results) the two differ in the
+# last float32 bit: log-probs agree to a few ulps and the on-policy ratio deviates from 1 by about 6e-8, not by 0.
+ON_POLICY_RATIO_TOL = 1e-6
+
+
+def rescored_equal(again: torch.Tensor, stored: torch.Tensor) -> bool:
+    """A re-scored log-prob equals the stored one to a few float32 ulps (see ``ON_POLICY_RATIO_TOL``)."""
+    return torch.allclose(again, stored, rtol=1e-6, atol=1e-7)
+
+
 TINY = "configs/tiny_sd3.yaml"
 SIZE, STEPS, CFG_SCALE = 32, 6, 4.5
 # The fields a rollout stores per image, compared bit for bit between two ways of sampling the same transitions.

@@ -15,7 +15,7 @@ import math
 import pytest
 import rollout_helper as helper
 import torch
-from rollout_helper import SIZE, STEPS, TINY
+from rollout_helper import ON_POLICY_RATIO_TOL, SIZE, STEPS, TINY, rescored_equal
 
 from flowgrpo.adapters import make_adapter
 from flowgrpo.advantages import AdvantageInputs, compute_advantages
@@ -290,12 +290,12 @@ def test_rescoring_every_stored_edge_gives_ratio_exactly_one_under_the_clipped_o
     with torch.no_grad():
         for j in range(traj.num_trained_steps):
             again = evaluate_transitions(adapter, traj, j, config.sampler)
-            assert torch.equal(again.log_prob, traj.log_probs[:, j])
+            assert rescored_equal(again.log_prob, traj.log_probs[:, j])
     advantages = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     for position in range(4):
         positions = torch.full((8,), position)
         _, stats = Clipped(config).loss(adapter, MicroBatch(traj, advantages, positions, torch.Generator()))
-        assert stats["ratio_min"] == 1.0 and stats["ratio_max"] == 1.0
+        assert 1 - stats["ratio_min"] < ON_POLICY_RATIO_TOL and stats["ratio_max"] - 1 < ON_POLICY_RATIO_TOL
 
 
 def test_split_noise_scale_widens_the_split_steps_and_keeps_the_unscaled_log_prob(adapter):
@@ -314,7 +314,8 @@ def test_split_noise_scale_widens_the_split_steps_and_keeps_the_unscaled_log_pro
     assert not torch.equal(wide.latents[step1], base.latents[step1])  # the tree moved on from the wider split
     with torch.no_grad():
         for j in range(wide.num_trained_steps):
-            assert torch.equal(evaluate_transitions(adapter, wide, j, helper.sampler()).log_prob, wide.log_probs[:, j])
+            again = evaluate_transitions(adapter, wide, j, helper.sampler())
+            assert rescored_equal(again.log_prob, wide.log_probs[:, j])
     still = _tree(adapter, helper.sampler(noise_level=0.0), split_noise_scale=4.0)
     torch.testing.assert_close(still.final_latents, _tree(adapter, helper.sampler(noise_level=0.0)).final_latents)
 
@@ -395,7 +396,8 @@ def test_mix_steps_outside_the_window_are_the_ode(adapter):
     torch.testing.assert_close(noise_free.final_latents, _tree(adapter, helper.sampler(noise_level=0.0)).final_latents)
     with torch.no_grad():
         for j in range(traj.num_trained_steps):
-            assert torch.equal(evaluate_transitions(adapter, traj, j, helper.sampler()).log_prob, traj.log_probs[:, j])
+            again = evaluate_transitions(adapter, traj, j, helper.sampler())
+            assert rescored_equal(again.log_prob, traj.log_probs[:, j])
 
 
 @pytest.mark.parametrize("kind", ["wan", "flux-kontext"])
@@ -489,7 +491,7 @@ def test_one_tiny_epoch_trains_on_policy_and_the_memory_estimate_counts_the_slot
     config = load_config(TINY, helper.one_epoch(tmp_path, *TREE, "grpo.advantage.tree.width_pruning=best_worst"))
     assert stored_steps(config, True) == 4
     _, row = helper.train(config)  # the weights move
-    assert row["train/onpolicy_ratio_dev"] == 0.0 and row["tree/slots_per_image"] == 4
+    assert row["train/onpolicy_ratio_dev"] < ON_POLICY_RATIO_TOL and row["tree/slots_per_image"] == 4
     assert row["tree/forward_rows_per_image"] == 17 / 4
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from rollout_helper import rollout_context, train
+from rollout_helper import ON_POLICY_RATIO_TOL, rescored_equal, rollout_context, train
 
 from flowgrpo.config import ConfigError, SamplerConfig, load_config
 from flowgrpo.data import epoch_plan
@@ -203,7 +203,8 @@ def test_with_noise_0_the_iso_rollout_is_the_plain_ode(tmp_path, adapter):
 
 def test_the_stored_step_rescored_gives_ratio_1_and_the_loss_is_the_clipped_one_rectified(tmp_path, adapter):
     """Unchanged weights, a micro-batch mixing groups at different steps: the re-scored log-probs equal the stored
-    ones bit for bit (ratio exactly 1), and flash's loss is timestep_loss with each advantage times w(t)."""
+    ones to a few float32 ulps (bit for bit where the CPU's kernels are batch-invariant), and flash's loss is
+    timestep_loss with each advantage times w(t)."""
     config = _config(tmp_path)
     trajectory = _collect(config, adapter, 0).trajectory
     sub = trajectory.select(torch.randperm(16, generator=torch.Generator().manual_seed(3))[:8])
@@ -211,12 +212,12 @@ def test_the_stored_step_rescored_gives_ratio_1_and_the_loss_is_the_clipped_one_
     positions = torch.zeros(8, dtype=torch.long)
     with torch.no_grad():
         new = evaluate_transitions(adapter, sub, positions, config.sampler)
-    assert torch.equal(new.log_prob, stored_log_probs(sub, positions))
+    assert rescored_equal(new.log_prob, stored_log_probs(sub, positions))
     advantages = torch.linspace(-1.5, 2.0, 8)
     objective = get_objective("flash")(config)
     batch = MicroBatch(sub, advantages, positions, torch.Generator())
     loss, stats = objective.loss(adapter, batch)
-    assert stats["ratio_min"].item() == 1.0 and stats["ratio_max"].item() == 1.0
+    assert 1 - stats["ratio_min"].item() < ON_POLICY_RATIO_TOL and stats["ratio_max"].item() - 1 < ON_POLICY_RATIO_TOL
     sigmas, _ = adapter.schedule(config.sampler.num_steps, 32, 32)
     z = schedule_normalizer(config.sampler, sigmas, range(0, 4))
     c = gradient_scale(config.sampler, sub.sigmas[:, 0], sub.sigmas_next[:, 0], sub.t_second)
@@ -232,7 +233,8 @@ def test_a_flash_epoch_trains_through_the_trainer(tmp_path):
     """One epoch of tiny_sd3 with flash + iso_temporal: one term per sample, on-policy ratio 1 at the first update,
     the weights move, and the run logs the steps and weights."""
     trainer, row = train(_config(tmp_path, "run.epochs=1", "eval.every=0", "checkpoint.every=0"))  # weights move
-    assert row["train/onpolicy_ratio_dev"] == 0.0 and row["global_step"] == 2  # 16 samples in micro-batches of 8
+    assert row["train/onpolicy_ratio_dev"] < ON_POLICY_RATIO_TOL
+    assert row["global_step"] == 2  # 16 samples in micro-batches of 8
     assert row["window/start"] == pytest.approx(sum(STEPS_SEED0[0]) / 4) and row["window/size"] == 1
     assert row["train/trained_step"] == pytest.approx(row["window/start"]) and row["train/rectify_weight"] > 0
     assert yaml.safe_load((trainer.run_dir / "config.yaml").read_text())["grpo"]["flash"] == {"rectify": "schedule"}
