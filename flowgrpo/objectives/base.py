@@ -174,7 +174,7 @@ class Objective:
         for j in range(positions.shape[1]):
             yield MicroBatch(trajectory, advantages, positions[:, j], generator)
 
-    def sampling_weights(self, params: list[torch.nn.Parameter], step: int) -> AbstractContextManager:
+    def sampling_weights(self, params: list[torch.nn.Parameter], step: int) -> AbstractContextManager[None]:
         """The context the epoch's rollout runs in, after ``step`` optimizer steps: the weights it samples with.
         Default: the trainable weights as they are (DiffusionNFT's soft update swaps in its old weights)."""
         return contextlib.nullcontext()

@@ -24,8 +24,8 @@ epoch's first optimizer step moves them it is the current velocity, detached, an
 ``grpo.nft.old_decay_max`` > 0 the old weights follow the paper's soft update instead, θ_old ← η θ_old + (1 - η) θ
 before each epoch with η from :func:`old_decay` (its ``return_decay``), and the epoch's rollout samples with them, as
 the paper's code does (so the logged rewards and sample grids are the old weights'); they are carried from epoch to
-epoch and saved with checkpoints (``old_weights.safetensors``), and differ from the live weights from the epoch's first
-term on, so the old forward is never skipped then.
+epoch and saved with checkpoints (``old_weights.safetensors``); once η > 0 they differ from the live weights from the
+epoch's first term on, so the old forward is not skipped then.
 Deliberately simpler than the paper's code: σ comes from the logit-normal above rather than from the sampler's schedule.
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -127,7 +128,12 @@ class OldWeightsObjective(ForwardProcessObjective):
         ones at each epoch's start). The base has none; :class:`NFT` reads ``grpo.nft.old_decay_*``."""
         return None
 
-    def sampling_weights(self, params: list[torch.nn.Parameter], step: int) -> contextlib.AbstractContextManager:
+    @property
+    def soft_update(self) -> bool:
+        """Whether the old weights are carried from epoch to epoch (:meth:`old_decay` is not None)."""
+        return self.old_decay(0) is not None
+
+    def sampling_weights(self, params: list[torch.nn.Parameter], step: int) -> AbstractContextManager[None]:
         """With a soft update, the epoch's old weights η θ_old + (1 - η) θ (θ_old: the last trained epoch's), swapped in
         for the rollout and kept for the epoch's loss (:meth:`begin_epoch`). Without one, the current weights.
         Computed from the last *trained* epoch's old weights, so an epoch abandoned during sampling and redone after
@@ -146,13 +152,13 @@ class OldWeightsObjective(ForwardProcessObjective):
         self.old_weights = sampled if sampled is not None else OldWeights(params)
 
     def checkpoint_weights(self) -> list[Tensor] | None:
-        return self.old_weights.saved if self.old_decay(0) is not None and self.old_weights is not None else None
+        return self.old_weights.saved if self.soft_update and self.old_weights is not None else None
 
     def restore_weights(self, saved: list[Tensor] | None, params: list[torch.nn.Parameter]) -> str | None:
         self._sampled = None
-        if saved is None or self.old_decay(0) is None:
+        if saved is None or not self.soft_update:
             self.old_weights = None
-            if self.old_decay(0) is not None:
+            if self.soft_update:
                 return (
                     f"the checkpoint holds no old weights for grpo.objective={self.name}'s soft update "
                     "(grpo.nft.old_decay_max); they restart from the current weights"
