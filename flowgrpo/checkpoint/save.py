@@ -197,10 +197,10 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
         _raise(failure, f"another process could not read its part of {checkpoint} (its error says which file)")
     load_lora_state(model, weights)  # copied onto the device by load
     load_optimizer(acc, model, parts.optimizer, checkpoint)
+    names = trainable_names(model)  # the order of parts.params, and of every saved list of trainable weights
     if ema is not None:
         parts.ema.shadow = [
-            shard_like(ema[name], p, torch.float32)
-            for name, p in zip(trainable_names(model), parts.params, strict=True)
+            shard_like(ema[name], p, torch.float32) for name, p in zip(names, parts.params, strict=True)
         ]
     if state.get("world_size", acc.num_processes) != acc.num_processes:
         acc.print(
@@ -215,9 +215,8 @@ def load_checkpoint(parts: CheckpointParts, checkpoint: Path) -> None:
         )
     if parts.reference is not None:
         saved, epoch = reference or ({}, None)
-        parts.reference.load([saved[n] for n in trainable_names(model)] if saved else None, epoch, parts.params)
+        parts.reference.load([saved[n] for n in names] if saved else None, epoch, parts.params)
     if parts.objective is not None:
-        names = trainable_names(model)
         warning = parts.objective.restore_weights([carried[n] for n in names] if carried else None, parts.params)
         if warning:
             acc.print(f"warning: {warning}")

@@ -76,9 +76,13 @@ class OldWeights:
     matter (the objectives run it before, the KL reference after). Autocast caches its casts of parameters by
     tensor, so the cache is cleared on both sides of the swap."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], saved: list[Tensor] | None = None) -> None:
+        """A copy of ``params`` now, or ``saved`` (a checkpoint's, in ``params``' order) on their devices and dtypes."""
         self.params = params
-        self.saved = [p.detach().clone() for p in params]
+        if saved is None:
+            self.saved = [p.detach().clone() for p in params]
+        else:
+            self.saved = [s.to(device=p.device, dtype=p.dtype) for s, p in zip(saved, params, strict=True)]
         self._moved = False
 
     def moved(self) -> bool:
@@ -164,8 +168,7 @@ class OldWeightsObjective(ForwardProcessObjective):
                     "(grpo.nft.old_decay_max); they restart from the current weights"
                 )
             return None
-        self.old_weights = OldWeights(params)
-        self.old_weights.saved = [s.to(device=p.device, dtype=p.dtype) for s, p in zip(saved, params, strict=True)]
+        self.old_weights = OldWeights(params, saved)
         return None
 
 

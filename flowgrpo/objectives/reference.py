@@ -78,6 +78,4 @@ class KLReference:
         if not self.every or saved is None:
             self.adapter.reference_snapshot, self.epoch = None, None
             return
-        snapshot = OldWeights(params)
-        snapshot.saved = [s.to(device=p.device, dtype=p.dtype) for s, p in zip(saved, params, strict=True)]
-        self.adapter.reference_snapshot, self.epoch = snapshot, epoch
+        self.adapter.reference_snapshot, self.epoch = OldWeights(params, saved), epoch
