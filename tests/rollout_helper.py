@@ -123,3 +123,26 @@ def train(config) -> tuple[Any, dict[str, Any]]:
     assert any(not torch.equal(p.detach(), b) for p, b in zip(trainer.params, before, strict=True))
     rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     return trainer, next(r for r in rows if "train/loss" in r)
+
+
+def record_epoch_weights(trainer, after: Callable[[], list[torch.Tensor]]) -> dict[str, list[list[torch.Tensor]]]:
+    """Wrap ``trainer``'s rollout and training to record, per epoch, the trainable weights the rollout ran with
+    (``sampled``), those training started from and ended with (``trained_from``, ``trained_to``), and ``after()``
+    once the epoch trained (``after``: e.g. the objective's old weights)."""
+    weights = lambda: [p.detach().clone() for p in trainer.params]  # noqa: E731
+    record: dict[str, list[list[torch.Tensor]]] = {"sampled": [], "trained_from": [], "trained_to": [], "after": []}
+    collect, train_on = trainer.rollouts.collect, trainer.train_on
+
+    def recording_collect(epoch):
+        record["sampled"].append(weights())
+        return collect(epoch)
+
+    def recording_train_on(*args):
+        record["trained_from"].append(weights())
+        stats = train_on(*args)
+        record["trained_to"].append(weights())
+        record["after"].append([t.clone() for t in after()])
+        return stats
+
+    trainer.rollouts.collect, trainer.train_on = recording_collect, recording_train_on
+    return record

@@ -52,12 +52,13 @@ def _parts(trainer: GRPOTrainer) -> CheckpointParts:
 
 
 NFT_SOFT = ["grpo.objective=nft", "sampler.noise_level=0", "grpo.nft.old_decay_rate=0.2", "grpo.nft.old_decay_max=0.6"]
+LAGGED = ["grpo.objective=lagged", "grpo.lagged.old_decay_rate=0.2", "grpo.lagged.old_decay_max=0.6"]
 
 
 @pytest.mark.parametrize(
     "objective",
-    [[], ["grpo.objective=awm", "sampler.noise_level=0", "grpo.kl.beta=0.1"], NFT_SOFT],
-    ids=["clipped", "awm", "nft_soft_update"],
+    [[], ["grpo.objective=awm", "sampler.noise_level=0", "grpo.kl.beta=0.1"], NFT_SOFT, LAGGED],
+    ids=["clipped", "awm", "nft_soft_update", "lagged"],
 )
 def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path, objective):
     # Several rollout batches per epoch: the text embeddings must not depend on which prompts an earlier epoch
@@ -73,8 +74,8 @@ def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(tmp_path
     resumed.fit()
     a, b = list_checkpoints(full.run_dir)[-1], list_checkpoints(part.run_dir)[-1]
     assert a.name == b.name == "epoch-00004"
-    # nft's soft update: the old weights carried from epoch to epoch (they sample the next epoch) resume too
-    carried = ["old_weights.safetensors"] if objective is NFT_SOFT else []
+    # nft's soft update and lagged's: the old weights carried from epoch to epoch (they sample the next epoch) resume
+    carried = ["old_weights.safetensors"] if objective in (NFT_SOFT, LAGGED) else []
     assert (a / "old_weights.safetensors").is_file() == bool(carried)
     for name in ("adapter.safetensors", "ema.safetensors", *carried):
         wa, wb = load_file(str(a / name)), load_file(str(b / name))
@@ -124,11 +125,11 @@ def test_the_lr_schedule_follows_the_optimizer_steps_and_a_resume_continues_it(t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("objective", [[], NFT_SOFT], ids=["clipped", "nft_soft_update"])
+@pytest.mark.parametrize("objective", [[], NFT_SOFT, LAGGED], ids=["clipped", "nft_soft_update", "lagged"])
 def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exactly(tmp_path, monkeypatch, objective):
     # A launcher kills its workers soon after forwarding a signal, so processes check for a stop after every
-    # rollout batch too, not only after updates. nft's soft update mixed the old weights the abandoned rollout
-    # sampled with: the resume must mix the same ones again, not mix twice.
+    # rollout batch too, not only after updates. nft's (and lagged's) soft update mixed the old weights the abandoned
+    # rollout sampled with: the resume must mix the same ones again, not mix twice.
     common = ["train.ema=0.5", "sampler.batch_size=4", *objective]  # 4 rollout batches per epoch
     full = _trainer(tmp_path / "a", "run.epochs=2", *common)
     full.fit()
@@ -156,7 +157,7 @@ def test_a_stop_during_sampling_abandons_the_epoch_and_the_resume_redoes_it_exac
     resumed.fit()
     a, b = list_checkpoints(full.run_dir)[-1], list_checkpoints(part.run_dir)[-1]
     assert a.name == b.name == "epoch-00002"
-    carried = ["old_weights.safetensors"] if objective is NFT_SOFT else []
+    carried = ["old_weights.safetensors"] if objective in (NFT_SOFT, LAGGED) else []
     for name in ("adapter.safetensors", "ema.safetensors", *carried):
         wa, wb = load_file(str(a / name)), load_file(str(b / name))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name

@@ -387,7 +387,7 @@ def test_a_store_that_does_not_fit_is_refused_before_the_run_directory_exists(st
 
 def test_the_objectives_offline_serves_are_those_whose_loss_is_not_tied_to_the_sampling_weights():
     tied = {name for name, cls in OBJECTIVES.items() if cls.samples_from_current_weights}
-    assert {"clipped", "guard", "flash", "tempflow", "nft", "fpo"} <= tied
+    assert {"clipped", "guard", "flash", "tempflow", "nft", "fpo", "lagged"} <= tied
     assert not {"awm", "dgpo", "dpo", "sft", "gdro"} & tied
     recipes = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
     assert "`awm`, `dgpo`, `dpo`, `sft` and `gdro` train on it" in recipes

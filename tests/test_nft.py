@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from rollout_helper import forward_rows
+from rollout_helper import forward_rows, record_epoch_weights
 from test_awm import PROMPTS, TINY, _conditional_velocity, _draws, _setup
 
 from flowgrpo.config import ConfigError, load_config
@@ -217,25 +217,11 @@ def test_soft_update_samples_each_epoch_with_the_mixed_old_weights_and_trains_ag
     decay = ["grpo.nft.old_decay_rate=0.25", "grpo.nft.old_decay_max=0.9"]
     config = _config(f"run.output_dir={tmp_path}", "run.epochs=3", "eval.every=0", *decay)
     trainer = GRPOTrainer(config)
-    params = _trainable(trainer.adapter)
-    weights = lambda: [p.detach().clone() for p in params]  # noqa: E731
-    sampled, trained_from, trained_to, olds = [], [], [], []
-    collect, train_on = trainer.rollouts.collect, trainer.train_on
-
-    def recording_collect(epoch):
-        sampled.append(weights())
-        return collect(epoch)
-
-    def recording_train_on(*args):
-        trained_from.append(weights())
-        stats = train_on(*args)
-        trained_to.append(weights())
-        olds.append([s.clone() for s in trainer.objective.old_weights.saved])
-        return stats
-
-    trainer.rollouts.collect, trainer.train_on = recording_collect, recording_train_on
+    record = record_epoch_weights(trainer, lambda: trainer.objective.old_weights.saved)
     trainer.fit()
     assert trainer.state.global_step == 6
+    sampled, trained_from, trained_to = record["sampled"], record["trained_from"], record["trained_to"]
+    olds = record["after"]
 
     def close(a, b):
         return all(torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(a, b, strict=True))

@@ -13,7 +13,7 @@
             reference.safetensors   the KL reference's adapter weights since its last reset (grpo.kl.reset_every),
                                     metadata {"epoch": the epoch it was taken at}
             old_weights.safetensors the old weights DiffusionNFT's soft update carries across epochs
-                                    (grpo.nft.old_decay_max > 0)
+                                    (grpo.nft.old_decay_max > 0, grpo.objective: lagged)
             optimizer.pt            optimizer state (tensors and numbers only: loaded with weights_only=True);
                                     under DeepSpeed instead deepspeed/ (its files: trainable weights and every
                                     process's optimizer shard), under FSDP optimizer_full.pt (whole, by parameter

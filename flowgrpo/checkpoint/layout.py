@@ -14,7 +14,7 @@ STATE_FILE = "state.json"  # its presence marks a complete checkpoint (written l
 ADAPTER_FILE = "adapter.safetensors"  # LoRA weights, peft's saved names, float32
 EMA_FILE = "ema.safetensors"  # their EMA (train.ema > 0)
 REFERENCE_FILE = "reference.safetensors"  # the KL reference's snapshot after a reset (grpo.kl.reset_every)
-OLD_WEIGHTS_FILE = "old_weights.safetensors"  # weights an objective carries across epochs (grpo.nft.old_decay_max)
+OLD_WEIGHTS_FILE = "old_weights.safetensors"  # weights an objective carries across epochs (nft's soft update, lagged)
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # the LoraConfig
 
 

@@ -1,6 +1,8 @@
 """Objectives: what the trainer minimises, one registered module each (``grpo.objective``).
 
 - ``clipped`` (:mod:`.clipped`): Flow-GRPO's per-timestep clipped ratio on the stored SDE transitions.
+- ``lagged`` (:mod:`.lagged`): the clipped per-step loss on rollouts sampled by soft-updated (lagged) weights,
+  decoupled PPO's importance weight between them and the clip's proximal weights.
 - ``awm`` (:mod:`.awm`): advantage-weighted flow matching on the noised final samples.
 - ``nft`` (:mod:`.nft`): DiffusionNFT's negative-aware loss on the same noised samples.
 - ``flash`` (:mod:`.flash`): Flash-GRPO's single-step clipped ratio with temporal gradient rectification.
@@ -17,7 +19,7 @@
 Add one with :func:`register_objective` on an :class:`Objective` subclass (see :mod:`.base`).
 """
 
-from . import awm, clipped, dgpo, dpo, flash, fpo, gdro, guard, nft, sft, tempflow  # noqa: F401  (register the built-ins)
+from . import awm, clipped, dgpo, dpo, flash, fpo, gdro, guard, lagged, nft, sft, tempflow  # noqa: F401  (register the built-ins)
 from .base import (
     OBJECTIVES,
     MicroBatch,

@@ -35,7 +35,7 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -111,25 +111,24 @@ def _adaptive_error(prediction: Tensor, target: Tensor) -> Tensor:
     return error.pow(2).mean(dim=1) / weight
 
 
-class OldWeightsObjective(ForwardProcessObjective):
-    """Base of the forward-process objectives that compare with the old weights (``nft``, ``fpo``): the weights the
-    epoch's samples were drawn with (:class:`OldWeights`), the trainable weights as each epoch's training begins
-    unless a soft update (:meth:`old_decay`, nft's ``grpo.nft.old_decay_*``) mixes in the previous epoch's."""
+class SoftUpdate:
+    """Mixin of the objectives that carry old weights from epoch to epoch by DiffusionNFT's soft update and sample
+    each epoch with them (nft's ``grpo.nft.old_decay_*``, lagged's ``grpo.lagged.old_decay_*``): before each epoch's
+    rollout θ_old ← η θ_old + (1 - η) θ with η from :meth:`old_decay`, swapped in for the rollout
+    (:meth:`sampling_weights`), kept as :attr:`old_weights` (nft's loss reads them; lagged's reads the log-probs the
+    rollout stored with them) and the next epoch's mix from :meth:`begin_epoch` on, and saved with checkpoints
+    (:meth:`checkpoint_weights`). Without a soft update (:meth:`old_decay` None) the old weights are the trainable ones
+    as each epoch's training begins and nothing is carried. The hooks do not call ``super()``: the class it is mixed
+    into must have only :class:`~.base.Objective`'s defaults for them (an objective with a ``begin_epoch`` of its own
+    calls this one, as lagged does)."""
 
-    refuses_sharded: ClassVar[str | None] = (
-        "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
-        "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
-    )
-    samples_from_current_weights: ClassVar[bool] = True  # the old weights stand for the ones that sampled the epoch
+    name: ClassVar[str]
+    old_weights: OldWeights | None  # the last trained epoch's, once one trained
+    _sampled: OldWeights | None  # this epoch's soft-updated ones, from its rollout to its training
 
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self.old_weights: OldWeights | None = None  # the last trained epoch's, once one trained
-        self._sampled: OldWeights | None = None  # this epoch's soft-updated ones, from its rollout to its training
-
-    def old_decay(self, step: int) -> float | None:
+    def old_decay(self, step: int) -> float | None:  # noqa: ARG002 (the default has no soft update)
         """η of the soft update after ``step`` optimizer steps; None: no soft update (the old weights are the current
-        ones at each epoch's start). The base has none; :class:`NFT` reads ``grpo.nft.old_decay_*``."""
+        ones at each epoch's start). Subclasses read their section's ``old_decay_*`` (:func:`settings_decay`)."""
         return None
 
     @property
@@ -165,11 +164,28 @@ class OldWeightsObjective(ForwardProcessObjective):
             if self.soft_update:
                 return (
                     f"the checkpoint holds no old weights for grpo.objective={self.name}'s soft update "
-                    "(grpo.nft.old_decay_max); they restart from the current weights"
+                    f"(grpo.{self.name}.old_decay_max); they restart from the current weights"
                 )
             return None
         self.old_weights = OldWeights(params, saved)
         return None
+
+
+class OldWeightsObjective(SoftUpdate, ForwardProcessObjective):
+    """Base of the forward-process objectives that compare with the old weights (``nft``, ``fpo``): the weights the
+    epoch's samples were drawn with (:class:`OldWeights`), the trainable weights as each epoch's training begins
+    unless a soft update (:class:`SoftUpdate`, nft's ``grpo.nft.old_decay_*``) mixes in the previous epoch's."""
+
+    refuses_sharded: ClassVar[str | None] = (
+        "swaps the old weights into the trainable parameters for a forward, written for parameters that are whole "
+        "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
+    )
+    samples_from_current_weights: ClassVar[bool] = True  # the old weights stand for the ones that sampled the epoch
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.old_weights = None
+        self._sampled = None
 
 
 @register_objective("nft")
@@ -185,29 +201,42 @@ class NFT(OldWeightsObjective):
         s = config.grpo.nft
         check_range("grpo.nft.beta", s.beta, 0, low_open=True)
         check_range("grpo.nft.adv_clip_max", s.adv_clip_max, 0, low_open=True)
-        check_range("grpo.nft.old_decay_rate", s.old_decay_rate, 0)
-        check_range("grpo.nft.old_decay_max", s.old_decay_max, 0, 1, high_open=True)
-        check_range("grpo.nft.old_decay_start", s.old_decay_start, 0)
-        if s.old_decay_start and not s.old_decay_max:
-            raise ConfigError(
-                f"grpo.nft.old_decay_start={s.old_decay_start} does nothing without the soft update: set "
-                "grpo.nft.old_decay_rate and grpo.nft.old_decay_max > 0 too (DiffusionNFT's decay_type 2: 0.0075, "
-                "0.999, start 75), or old_decay_start: 0"
-            )
-        if (s.old_decay_max > 0) != (s.old_decay_rate > 0):
-            keys = ("old_decay_max", "old_decay_rate")
-            set_, unset = keys if s.old_decay_max > 0 else keys[::-1]
-            raise ConfigError(
-                f"grpo.nft.{set_}={getattr(s, set_)} needs grpo.nft.{unset} > 0 too (η grows by old_decay_rate per "
-                f"optimizer step up to old_decay_max; DiffusionNFT's decay_type 1: 0.001 and 0.5); or set both to 0"
-            )
+        check_soft_update("grpo.nft", s)
 
     def old_decay(self, step: int) -> float | None:
-        s = self.settings
-        return old_decay(step, s.old_decay_rate, s.old_decay_max, s.old_decay_start) if s.old_decay_max > 0 else None
+        return settings_decay(self.settings, step)
 
     def loss(self, adapter: PipelineAdapter, batch: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         return nft_loss(adapter, self.settings, self.config.grpo.kl.beta, batch, self.old_weights)
+
+
+def settings_decay(settings: Any, step: int) -> float | None:
+    """η after ``step`` optimizer steps from a section's ``old_decay_rate / old_decay_max / old_decay_start``; None
+    when ``old_decay_max`` is 0 (no soft update)."""
+    s = settings
+    return old_decay(step, s.old_decay_rate, s.old_decay_max, s.old_decay_start) if s.old_decay_max > 0 else None
+
+
+def check_soft_update(section: str, settings: Any) -> None:
+    """Refuse a section's soft-update settings that do nothing or never move the old weights (a
+    :class:`ConfigError` naming ``<section>.old_decay_*`` and the fix)."""
+    s = settings
+    check_range(f"{section}.old_decay_rate", s.old_decay_rate, 0)
+    check_range(f"{section}.old_decay_max", s.old_decay_max, 0, 1, high_open=True)
+    check_range(f"{section}.old_decay_start", s.old_decay_start, 0)
+    if s.old_decay_start and not s.old_decay_max:
+        raise ConfigError(
+            f"{section}.old_decay_start={s.old_decay_start} does nothing without the soft update: set "
+            f"{section}.old_decay_rate and {section}.old_decay_max > 0 too (DiffusionNFT's decay_type 2: 0.0075, "
+            "0.999, start 75), or old_decay_start: 0"
+        )
+    if (s.old_decay_max > 0) != (s.old_decay_rate > 0):
+        keys = ("old_decay_max", "old_decay_rate")
+        set_, unset = keys if s.old_decay_max > 0 else keys[::-1]
+        raise ConfigError(
+            f"{section}.{set_}={getattr(s, set_)} needs {section}.{unset} > 0 too (η grows by old_decay_rate per "
+            f"optimizer step up to old_decay_max; DiffusionNFT's decay_type 1: 0.001 and 0.5); or set both to 0"
+        )
 
 
 def old_decay(step: int, rate: float, cap: float, start: int = 0) -> float:
