@@ -501,15 +501,19 @@ def gain_cells(group: list[Run], base: dict[int, dict[str, float]], args: argpar
     epochs = statistics.fmean(len(r.rows) for r in group)
     images = statistics.fmean(len(r.rows) * r.images_per_epoch for r in group)
     steps = statistics.fmean(r.rows[-1]["global_step"] for r in group)
+    spread = (lambda s: f" ± {s:.1f}") if len(group) > 1 else (lambda s: " (one seed)")  # noqa: E731
     return cc, (
-        f"| {m:+.1f} ± {s:.1f} | {' / '.join(f'{g:+.1f}' for g in cc)} "
-        f"| {me:+.1f} ± {se:.1f} | {pass8:.1f} | {minutes:.1f} | {epochs:.0f} | {images:.0f} | {steps:.0f} |"
+        f"| {m:+.1f}{spread(s)} | {' / '.join(f'{g:+.1f}' for g in cc)} "
+        f"| {me:+.1f}{spread(se)} | {pass8:.1f} | {minutes:.1f} | {epochs:.0f} | {images:.0f} | {steps:.0f} |"
     )
 
 
 def noise_verdict(gains: list[float], reference: list[float]) -> str:
-    """``"+d ± e points: within noise"`` (or better, worse): the difference of mean gains and its standard error."""
+    """``"+d ± e points: within noise"`` (or better, worse): the difference of mean gains and its standard error.
+    With one seed on either side there is no spread to measure the difference against: no verdict then."""
     d, error, noise = within_noise(gains, reference)
+    if min(len(gains), len(reference)) < 2:
+        return f"{d:+.1f} points: one seed, no noise estimate (a scout; one run's end point swings by several points)"
     verdict = "within noise" if noise else ("better" if d > 0 else "worse")
     return f"{d:+.1f} ± {error:.1f} points: {verdict}"
 

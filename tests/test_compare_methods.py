@@ -28,6 +28,18 @@ def test_noise_verdict_is_twice_the_standard_error_of_the_difference():
     assert cm.within_noise([1.0, 5.0, 9.0], [0.0, 2.0, 4.0])[2]  # 3 ± 2.6: within noise
 
 
+@pytest.mark.parametrize("gains, reference", [([8.1], [8.5]), ([8.1], [8.5, 7.0, 9.0]), ([7.0, 9.0], [8.5])])
+def test_one_seed_gets_no_verdict_and_no_spread(gains, reference, tmp_path):
+    """A seed's sample std is undefined, not 0: a 0.4-point difference of two single runs is no "worse"."""
+    verdict = cm.noise_verdict(gains, reference)
+    assert "no noise estimate" in verdict and not verdict.endswith(("worse", "better", "within noise"))
+    base = {0: {cm.COLOR_COUNT: 0.40, cm.EXACT: 0.30}}
+    _, cells = cm.gain_cells(
+        [_run("shapes", 0, 0.481, 0.32, 3, tmp_path)], base, argparse.Namespace(eval_samples=8, clock="cpu")
+    )
+    assert "(one seed)" in cells and "±" not in cells
+
+
 def _run(preset, seed, cc, exact, steps, tmp_path):
     run = cm.Run(preset, 1.0, seed, tmp_path)
     run.summary = {cm.COLOR_COUNT: cc, cm.EXACT: exact, f"{cm.COLOR_COUNT}/pass@8": 0.9}
