@@ -179,20 +179,26 @@ def test_two_process_resume_is_exact(ddp_run, tmp_path):
 NFT = ["grpo.objective=nft", "sampler.noise_level=0"]
 
 
-def test_nft_under_ddp_trains_in_sync_and_resumes_exactly(tmp_path):
+# The clipped loss on soft-updated rollouts: epoch 1 samples with η = 0.6 of epoch 0's weights swapped in
+LAGGED = ["grpo.objective=lagged", "grpo.lagged.old_decay_rate=0.5", "grpo.lagged.old_decay_max=0.6"]
+
+
+@pytest.mark.parametrize("objective", [NFT, LAGGED], ids=["nft", "lagged"])
+def test_old_weights_under_ddp_train_in_sync_and_resume_exactly(tmp_path, objective):
     """DiffusionNFT's loss runs three forwards a micro-batch (the old weights' and the base model's without
-    gradient, swapped in by storage, and the trained one): under DDP the gradient still reaches both ranks' weights
+    gradient, swapped in by storage, and the trained one), lagged's rollout samples on swapped-in weights and its
+    loss runs the proximal forward without gradient: under DDP the gradient still reaches both ranks' weights
     equally, and a resume restores the old weights and the σ/ε draws bit for bit."""
-    overrides = [*NFT, "grpo.kl.beta=0.1"]
-    run_dir = _run(DDP, tmp_path / "nft", *overrides)
+    overrides = [*objective, "grpo.kl.beta=0.1"]
+    run_dir = _run(DDP, tmp_path / "trained", *overrides)
     finals = [_final(run_dir, r) for r in range(2)]
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     first, last = (load_file(str(run_dir / "checkpoints" / f"epoch-0000{e}" / "adapter.safetensors")) for e in (1, 2))
     assert any(not torch.equal(first[k], last[k]) for k in first)  # the second epoch trained
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kl = [row["train/kl"] for row in rows if "train/kl" in row]
-    # The velocity KL to the base model, measured before each epoch's one update: 0 on the initial weights, then
-    # positive once the adapter moved.
+    # The KL to the base model (nft's of the velocity, lagged's of the transition), measured before each epoch's one
+    # update: 0 on the initial weights, then positive once the adapter moved.
     assert kl[0] == 0 < kl[1]
     _assert_same_finals(_resume_from_first_checkpoint(DDP, run_dir, tmp_path, *overrides), run_dir)
 
