@@ -104,8 +104,9 @@ def lagged_timestep_loss(
     proximal_log_prob = None
     if proximal.moved():  # before the epoch's first step the proximal forward is this one
         with torch.no_grad(), adapter.without_ddp(), proximal.swapped_in():  # no DDP: no buffer broadcast needed
-            proximal_log_prob = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce)
-            proximal_log_prob = proximal_log_prob.log_prob
+            proximal_log_prob = evaluate_transitions(
+                adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce
+            ).log_prob
     new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=reduce)
     kl = reference_kl(adapter, cfg, sub, positions, new)
     if proximal_log_prob is None:
@@ -138,9 +139,7 @@ class Lagged(SoftUpdate, Objective):
     )
 
     def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self.old_weights: OldWeights | None = None  # the lagged (behaviour) weights of the last trained epoch
-        self._sampled: OldWeights | None = None
+        super().__init__(config)  # SoftUpdate's old_weights: the lagged (behaviour) weights of the last trained epoch
         self.proximal: OldWeights | None = None  # the trainable weights as this epoch's training began
 
     @classmethod

@@ -123,8 +123,11 @@ class SoftUpdate:
     calls this one, as lagged does)."""
 
     name: ClassVar[str]
-    old_weights: OldWeights | None  # the last trained epoch's, once one trained
-    _sampled: OldWeights | None  # this epoch's soft-updated ones, from its rollout to its training
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)  # type: ignore[call-arg]  (the Objective it is mixed into)
+        self.old_weights: OldWeights | None = None  # the last trained epoch's, once one trained
+        self._sampled: OldWeights | None = None  # this epoch's soft-updated ones, from its rollout to its training
 
     def old_decay(self, step: int) -> float | None:  # noqa: ARG002 (the default has no soft update)
         """η of the soft update after ``step`` optimizer steps; None: no soft update (the old weights are the current
@@ -181,11 +184,6 @@ class OldWeightsObjective(SoftUpdate, ForwardProcessObjective):
         "tensors on every process (one process, DDP); under DeepSpeed or FSDP use grpo.objective: awm"
     )
     samples_from_current_weights: ClassVar[bool] = True  # the old weights stand for the ones that sampled the epoch
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self.old_weights = None
-        self._sampled = None
 
 
 @register_objective("nft")
