@@ -85,14 +85,23 @@ def grpo_loss(
     return loss, stats
 
 
+def at_positions(values: Tensor, positions: Tensor) -> Tensor:
+    """``values[i, positions[i]]``: a per-step field ``[B, W]`` at each sample's trained window position ([B])."""
+    return values.gather(1, positions.view(-1, 1).to(values.device)).squeeze(1)
+
+
+def step_advantages(advantages: Tensor, positions: Tensor) -> Tensor:
+    """The advantages ``[B]`` a term trains with: as given, or per-step ones ``[B, W]`` read at ``positions``."""
+    return at_positions(advantages, positions) if advantages.ndim == 2 else advantages
+
+
 def timestep_loss(
     adapter: PipelineAdapter, cfg: Config, sub: Trajectory, positions: Tensor, advantages: Tensor
 ) -> tuple[Tensor, LossStats]:
     """One trained timestep of a micro-batch: re-score the stored transitions at ``positions`` ([B] window positions)
     under the current weights, the KL reference forward when β > 0, and the clipped GRPO loss (scalar, to backward).
     ``advantages``: [B], or [B, W] per step (read at ``positions``)."""
-    if advantages.ndim == 2:
-        advantages = advantages.gather(1, positions.view(-1, 1).to(advantages.device)).squeeze(1)
+    advantages = step_advantages(advantages, positions)
     new = evaluate_transitions(adapter, sub, positions, cfg.sampler, log_prob_reduce=cfg.grpo.log_prob_reduce)
     kl = reference_kl(adapter, cfg, sub, positions, new)
     old = stored_log_probs(sub, positions).to(new.log_prob.device)

@@ -64,7 +64,7 @@ from samplers import sde_step
 from ..checks import ConfigError, one_of
 from ..rollout import plan_rollout
 from .base import MicroBatch, Objective, register_objective
-from .clipped import timestep_loss
+from .clipped import step_advantages, timestep_loss
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
@@ -214,8 +214,7 @@ class Flash(Objective):
         clipped loss's scalars, ``rectify_weight`` (the micro-batch's mean w) and ``trained_step`` (its mean step
         index)."""
         sub, positions, advantages = batch.trajectory, batch.positions, batch.advantages
-        if advantages.ndim == 2:  # per-step advantages [B, W]: the trained position's
-            advantages = advantages.gather(1, positions.view(-1, 1).to(advantages.device)).squeeze(1)
+        advantages = step_advantages(advantages, positions)  # per-step [B, W]: the trained position's
         weights = self.weights(adapter, sub, positions)
         rectified = advantages * weights.to(device=advantages.device, dtype=advantages.dtype)
         loss, stats = timestep_loss(adapter, self.config, sub, positions, rectified)

@@ -70,7 +70,7 @@ from samplers import reduce_per_sample
 from ..checks import ConfigError, one_of
 from ..rollout import evaluate_transitions, stored_log_probs, stored_means
 from .base import MicroBatch, Objective, register_objective
-from .clipped import grpo_loss, reference_kl
+from .clipped import at_positions, grpo_loss, reference_kl, step_advantages
 from .nft import OldWeights
 
 if TYPE_CHECKING:
@@ -132,11 +132,6 @@ def per_sample_std(std: Tensor, batch: int) -> Tensor:
     return std.reshape(std.shape[0], -1)[:, 0]
 
 
-def _at(values: Tensor, positions: Tensor) -> Tensor:
-    """``values[i, positions[i]]`` for per-step fields ``[B, W]``."""
-    return values.gather(1, positions.view(-1, 1).to(values.device)).squeeze(1)
-
-
 def guard_timestep_loss(
     adapter: PipelineAdapter,
     cfg: Config,
@@ -154,8 +149,7 @@ def guard_timestep_loss(
     sampling ones). ``advantages``: [B], or [B, W] per step (read at ``positions``)."""
     settings: GuardConfig = cfg.grpo.guard
     reduce = cfg.grpo.log_prob_reduce
-    if advantages.ndim == 2:
-        advantages = _at(advantages, positions)
+    advantages = step_advantages(advantages, positions)
     old_mean = stored_means(sub, positions) if settings.ratio_norm else None
     if settings.ratio_norm and old_mean is None and old_weights is not None and old_weights.moved():
         # OldWeights swaps the parameters' storage for this forward only, undone before the backward.
@@ -172,7 +166,9 @@ def guard_timestep_loss(
         extra["mean_shift"] = _mean_shift(new, old_mean, reduce).mean()
     else:
         log_ratio, baseline = new.log_prob, old
-    weights = step_weights(_at(sub.sigmas, positions), _at(sub.sigmas_next, positions), settings.reweight)
+    weights = step_weights(
+        at_positions(sub.sigmas, positions), at_positions(sub.sigmas_next, positions), settings.reweight
+    )
     weighted = advantages.to(log_ratio.device) * weights.to(log_ratio.device)  # w > 0: w·max(..A..) = max(..wA..)
     loss, stats = grpo_loss(log_ratio, baseline, weighted, clip_range=cfg.grpo.clip_range, kl=kl, beta=cfg.grpo.kl.beta)
     with torch.no_grad():

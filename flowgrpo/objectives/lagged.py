@@ -41,7 +41,7 @@ from torch import Tensor
 from ..checks import ConfigError
 from ..rollout import evaluate_transitions, stored_log_probs
 from .base import MicroBatch, Objective, register_objective
-from .clipped import LossStats, grpo_loss, reference_kl
+from .clipped import LossStats, grpo_loss, reference_kl, step_advantages
 from .nft import OldWeights, SoftUpdate, check_soft_update, settings_decay
 
 if TYPE_CHECKING:
@@ -99,8 +99,7 @@ def lagged_timestep_loss(
     :class:`~.clipped.LossStats` and ``behaviour_weight`` (mean, ``_min``, ``_max``). ``advantages``: [B], or
     [B, W] per step (read at ``positions``)."""
     reduce = cfg.grpo.log_prob_reduce
-    if advantages.ndim == 2:
-        advantages = advantages.gather(1, positions.view(-1, 1).to(advantages.device)).squeeze(1)
+    advantages = step_advantages(advantages, positions)
     proximal_log_prob = None
     if proximal.moved():  # before the epoch's first step the proximal forward is this one
         with torch.no_grad(), adapter.without_ddp(), proximal.swapped_in():  # no DDP: no buffer broadcast needed

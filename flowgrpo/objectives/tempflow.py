@@ -49,7 +49,7 @@ from samplers import sde_step
 from ..checks import ConfigError, check_range
 from ..rollout import _step_kwargs
 from .base import MicroBatch, Objective, register_objective
-from .clipped import timestep_loss
+from .clipped import at_positions, step_advantages, timestep_loss
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
@@ -138,9 +138,8 @@ class TempFlow(Objective):
         """The clipped loss of :func:`~.clipped.timestep_loss` with ``w_i·A_i`` for ``A_i``; logs its statistics and
         ``noise_weight`` (mean, ``_min``, ``_max`` over the epoch's terms)."""
         sub, positions, advantages = batch.trajectory, batch.positions, batch.advantages
-        if advantages.ndim == 2:  # per-step advantages: each sample's at its trained position
-            advantages = advantages.gather(1, positions.view(-1, 1).to(advantages.device)).squeeze(1)
-        stds = sub.stds.gather(1, positions.view(-1, 1).to(sub.stds.device)).squeeze(1)
+        advantages = step_advantages(advantages, positions)  # per-step ones: each sample's at its trained position
+        stds = at_positions(sub.stds, positions)
         weights = noise_aware_weights(stds, scale=self.weight_scale(adapter, sub.height, sub.width))
         weights = weights.to(advantages.device)
         loss, stats = timestep_loss(adapter, self.config, sub, positions, weights * advantages)
