@@ -2,8 +2,8 @@
 held-out line; writes a markdown table and a reward-curve plot.
 
 python scripts/compare_methods.py [--presets shapes shapes_awm shapes_nft] [--seeds 0 1 2] [--minutes 3.5]
-    [--budgets 1 2] [--clock cpu] [--jobs 2] [--processes 1] [--work runs/compare_methods] [--out docs/methods.md]
-    [key.sub=value ...]
+    [--budgets 1 2] [--clock cpu] [--jobs 2] [--processes 1] [--also-last] [--work runs/compare_methods]
+    [--out docs/methods.md] [key.sub=value ...]
 
 Each preset (``configs/<preset>.yaml`` or a path) trains under ``run.max_minutes = minutes × budget`` on one thread
 (``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time. The budget's clock (``run.budget_clock``) is by default the
@@ -28,7 +28,9 @@ a one-process run's.
 The table reports, per preset and budget: colour+count and exact gain (mean ± sample std over seeds, and each
 seed's), colour+count pass@8, minutes on the budget's clock, epochs, images sampled and optimizer steps. A
 difference from the first preset is called within noise when it is smaller than twice its standard error,
-sqrt(s₁²/n₁ + s₂²/n₂).
+sqrt(s₁²/n₁ + s₂²/n₂). A run that evaluates an EMA of its weights (``eval.use_ema``) is read through the EMA;
+``--also-last`` also evaluates the same runs' last weights, a row of their own, and says the EMA's lead over them
+paired by run (the mean of the run-by-run differences against twice its standard error).
 
 A preset may carry its own overrides, ``preset+key=value+key=value`` (a variant: its own row, label and run folder,
 e.g. ``shapes_fpo+grpo.fpo.weighting=elbo`` for an ablation), before the ones given to every run; ``@`` budgets
@@ -48,7 +50,7 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +70,7 @@ class Run:
     overrides: list[str] = field(default_factory=list)  # this run's own, before the ones given to every run
     name: str = ""  # the label of its table row and curve; default the preset's stem
     processes: int = 1  # its training's DDP processes (--processes), one thread each
+    last_summary: dict[str, float] | None = None  # --also-last: its last weights, where it evaluates an EMA
 
     @property
     def label(self) -> str:
@@ -97,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         "pass e.g. train.batch_size=16 to keep a 32-per-process preset's optimizer steps with 2 processes",
     )
     parser.add_argument("--eval-samples", type=int, default=8, help="images per held-out line")
+    parser.add_argument(
+        "--also-last",
+        action="store_true",
+        help="also evaluate the last weights of each run that evaluates an EMA (eval.use_ema): a row of their own "
+        "and the EMA's lead over them paired by run",
+    )
     parser.add_argument("--work", default="runs/compare_methods")
     parser.add_argument("--out", default="docs/methods.md")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every preset")
@@ -297,10 +306,15 @@ def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: s
             _evaluate_base, [base_preset] * n, args.seeds, [args.eval_samples] * n, [args.overrides] * n, [work] * n
         )
         base = dict(zip(args.seeds, evaluated, strict=True))
-        summaries = list(pool.map(_evaluate_run, [r.folder for r in runs], [args.eval_samples] * len(runs)))
+        folders, samples = [r.folder for r in runs], [args.eval_samples] * len(runs)
+        summaries = list(pool.map(_evaluate_run, folders, samples))
+        also_last = getattr(args, "also_last", False)  # compare_samplers' arguments have no --also-last
+        last = list(pool.map(_evaluate_run, folders, samples, [True] * len(runs))) if also_last else []
     for run, summary in zip(runs, summaries, strict=True):
         run.summary = summary
         run.rows = _metrics(run.folder)
+    for run, summary in zip(runs, last, strict=False):
+        run.last_summary = summary
     return base
 
 
@@ -360,7 +374,9 @@ def launcher(processes: int) -> list[str]:
     return [*flags.split(), "--main_process_port", "0"]
 
 
-def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]:
+def _evaluate(config, checkpoint: Path | None, samples: int, ema: bool | None = None) -> dict[str, float]:
+    """``checkpoint``'s model (the shipped one for None) on the held-out lines, ``samples`` images each; its EMA
+    weights where ``ema`` (by default ``config.eval.use_ema``, the weights the run's own evaluation would use)."""
     import diffusers
     import torch
 
@@ -378,8 +394,8 @@ def _evaluate(config, checkpoint: Path | None, samples: int) -> dict[str, float]
     if checkpoint is None:  # LoRA initialised to the identity: the shipped model itself
         adapter = build_adapter(config.model, "cpu")
     else:
-        # The weights the run's own evaluation would use: its EMA where eval.use_ema asks for it.
-        adapter = adapter_from_checkpoint(config, checkpoint, ema=config.eval.use_ema, device="cpu")
+        ema = config.eval.use_ema if ema is None else ema
+        adapter = adapter_from_checkpoint(config, checkpoint, ema=ema, device="cpu")
     summary, _, prompts, _ = evaluate(
         adapter, dataset, reward, config.eval, resolution=config.model.size, seed=config.run.seed
     )
@@ -407,15 +423,19 @@ def _evaluate_base(
     return summary
 
 
-def _evaluate_run(folder: Path, samples: int) -> dict[str, float]:
-    """The final checkpoint's summary, cached beside it (``eval<samples>.json``)."""
+def _evaluate_run(folder: Path, samples: int, last: bool = False) -> dict[str, float] | None:
+    """The final checkpoint's summary, cached beside it (``eval<samples>.json``). ``last``: its last weights where
+    the run evaluates an EMA (``eval<samples>-last.json``); None where it does not (they are what it evaluates)."""
     from flowgrpo.export import run_config
 
     checkpoint = _final_checkpoint(folder)
-    cached = checkpoint / f"eval{samples}.json"
+    config = run_config(checkpoint, ["run.resume=null"])
+    if last and not config.eval.use_ema:
+        return None
+    cached = checkpoint / f"eval{samples}{'-last' if last else ''}.json"
     if cached.is_file():
         return json.loads(cached.read_text(encoding="utf-8"))
-    summary = _evaluate(run_config(checkpoint, ["run.resume=null"]), checkpoint, samples)
+    summary = _evaluate(config, checkpoint, samples, ema=False if last else None)
     cached.write_text(json.dumps(summary), encoding="utf-8")
     return summary
 
@@ -470,9 +490,17 @@ def write_table(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     gains: dict[tuple[str, float], list[float]] = {}
+    paired: list[str] = []
     for (label, budget), group in groups.items():
         gains[label, budget], cells = gain_cells(group, base, args)
         lines.append(f"| `{label}` | ×{budget:g} {cells}")
+        if all(r.last_summary for r in group):  # --also-last: the same runs' last weights, paired
+            last = [replace(r, summary=r.last_summary) for r in group]
+            last_gains, cells = gain_cells(last, base, args)
+            lines.append(f"| `{label}`, its last weights | ×{budget:g} {cells}")
+            paired.append(f"- `{label}` ×{budget:g}: {paired_verdict(gains[label, budget], last_gains)}")
+    if paired:
+        lines += ["", "The EMA weights against the same runs' last weights (paired by run):", "", *paired]
     lines += ["", "Against the first preset at the same budget (difference of mean colour+count gains):", ""]
     first = runs[0].label if runs else ""
     for (label, budget), cc in gains.items():
@@ -506,6 +534,19 @@ def gain_cells(group: list[Run], base: dict[int, dict[str, float]], args: argpar
         f"| {m:+.1f}{spread(s)} | {' / '.join(f'{g:+.1f}' for g in cc)} "
         f"| {me:+.1f}{spread(se)} | {pass8:.1f} | {minutes:.1f} | {epochs:.0f} | {images:.0f} | {steps:.0f} |"
     )
+
+
+def paired_verdict(gains: list[float], reference: list[float]) -> str:
+    """``"+d ± e points (+d1 / +d2 / ...): within noise"``: the mean of the run-by-run differences and its standard
+    error (their sample std / sqrt(n)); within noise when smaller than twice it. No verdict from one run."""
+    differences = [g - r for g, r in zip(gains, reference, strict=True)]
+    d, spread = mean_std(differences)
+    each = " / ".join(f"{x:+.1f}" for x in differences)
+    if len(differences) < 2:
+        return f"{d:+.1f} points: one seed, no noise estimate"
+    error = spread / math.sqrt(len(differences))
+    verdict = "within noise" if abs(d) < 2 * error else ("better" if d > 0 else "worse")
+    return f"{d:+.1f} ± {error:.1f} points ({each}): {verdict}"
 
 
 def noise_verdict(gains: list[float], reference: list[float]) -> str:

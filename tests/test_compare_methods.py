@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -208,3 +209,46 @@ def test_a_final_model_is_evaluated_with_the_weights_its_run_would_evaluate(monk
     config = load_config(ROOT / "configs" / "shapes.yaml", ["train.ema=0.9", f"eval.use_ema={str(use_ema).lower()}"])
     assert cm._evaluate(config, tmp_path, 1) == {cm.COLOR_COUNT: 0.5, "images": 1.0}
     assert loaded == {"checkpoint": tmp_path, "ema": use_ema}
+
+
+def test_paired_verdict_is_twice_the_standard_error_of_the_run_by_run_differences():
+    # The EMA against its own runs' last weights (docs/methods.md's shapes_best rows): 3.3, 3.6, 0.2 apart.
+    verdict = cm.paired_verdict([17.4, 17.1, 18.0], [14.1, 13.5, 17.8])
+    differences = [3.3, 3.6, 0.2]
+    error = statistics.stdev(differences) / math.sqrt(3)  # 1.09: the unpaired error would be 1.4
+    assert verdict == f"+2.4 ± {error:.1f} points (+3.3 / +3.6 / +0.2): better"
+    assert cm.paired_verdict([17.4, 17.1, 18.0], [14.1, 17.5, 17.8]).endswith("within noise")
+    assert "no noise estimate" in cm.paired_verdict([8.0], [6.0])
+
+
+def test_also_last_adds_the_last_weights_row_and_the_paired_lead(tmp_path):
+    base = {0: {cm.COLOR_COUNT: 0.40, cm.EXACT: 0.30}, 1: {cm.COLOR_COUNT: 0.50, cm.EXACT: 0.35}}
+    runs = [_run("shapes_best", 0, 0.58, 0.40, 3, tmp_path), _run("shapes_best", 1, 0.66, 0.45, 3, tmp_path)]
+    runs += [_run("shapes", 0, 0.45, 0.32, 3, tmp_path), _run("shapes", 1, 0.53, 0.36, 3, tmp_path)]
+    runs[0].last_summary = {cm.COLOR_COUNT: 0.55, cm.EXACT: 0.38}
+    runs[1].last_summary = {cm.COLOR_COUNT: 0.64, cm.EXACT: 0.44}
+    args = argparse.Namespace(seeds=[0, 1], minutes=1.0, jobs=1, clock="cpu", eval_samples=8)
+    page = cm.write_table(runs, base, args, "c.png", argv_shown="x")
+    last_row = next(line for line in page.splitlines() if line.startswith("| `shapes_best`, its last weights"))
+    assert "| +14.5 ± 0.7 | +15.0 / +14.0 | +8.5 ± 0.7 |" in last_row  # against each seed's base, as the EMA row
+    # Paired: differences 3 and 2, standard error 0.5; unpaired (± 1.4 and ± 0.7 over two seeds each) it would be 1.1
+    assert "- `shapes_best` ×1: +2.5 ± 0.5 points (+3.0 / +2.0): better" in page
+    assert "`shapes`, its last weights" not in page  # no EMA evaluated, no pair
+
+
+def test_last_weights_are_evaluated_only_for_runs_that_evaluate_an_ema(monkeypatch, tmp_path):
+    import flowgrpo.export
+    from flowgrpo.config import load_config
+
+    calls = []
+    monkeypatch.setattr(cm, "_final_checkpoint", lambda folder: tmp_path)
+    monkeypatch.setattr(cm, "_evaluate", lambda config, checkpoint, samples, ema=None: calls.append(ema) or {"a": 1})
+    for use_ema in (False, True):
+        config = load_config(
+            ROOT / "configs" / "shapes.yaml", ["train.ema=0.9", f"eval.use_ema={str(use_ema).lower()}"]
+        )
+        monkeypatch.setattr(flowgrpo.export, "run_config", lambda *_, config=config: config)
+        assert cm._evaluate_run(tmp_path, 8, last=True) == (None if not use_ema else {"a": 1})
+    assert calls == [False] and json.loads((tmp_path / "eval8-last.json").read_text()) == {"a": 1}
+    assert cm._evaluate_run(tmp_path, 8) == {"a": 1} and calls == [False, None]  # the EMA itself, its own file
+    assert cm._evaluate_run(tmp_path, 8, last=True) == {"a": 1} and len(calls) == 2  # cached
