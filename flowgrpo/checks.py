@@ -67,6 +67,22 @@ def one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
         raise ConfigError(f"{path} must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
 
 
+def check_trackers(trackers: list[str], path: str = "run.trackers") -> None:
+    """Each tracker a name accelerate knows and whose package is installed. Accelerate itself drops a tracker that
+    is not installed with only a warning, and the run would then log to none of them without saying so."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    available = {str(t) for t in get_available_trackers()}
+    for name in trackers:
+        one_of(path, name, LoggerType.list())
+        if name != "all" and name not in available:
+            raise ConfigError(
+                f"{path}: {name} is not installed; pip install {name}, or remove it from {path} (metrics.jsonl is "
+                "written either way)"
+            )
+
+
 WAN_TEMPORAL_FACTOR = 4  # frames per latent frame of AutoencoderKLWan (Wan2.1), after the first frame
 
 

@@ -85,6 +85,7 @@ BAD_TRAIN_ARGS = [  # (overrides, what the message must name); {in} is the input
     (["model.lora.alpha=0"], ["model.lora.alpha"]),
     (["model.lora.dropout=1"], ["model.lora.dropout"]),
     (["run.seed=-1"], ["run.seed"]),
+    (["run.trackers=[tensorbord]"], ["run.trackers", "did you mean 'tensorboard'"]),  # a traceback from accelerate
     (["sampler.guidance_scale=-2"], ["sampler.guidance_scale"]),
     (["grpo.clip_range=1.5"], ["grpo.clip_range"]),
     (["sampler.window.max_start=99"], ["sampler.window.max_start"]),
@@ -106,6 +107,22 @@ def test_bad_training_configs_exit_2_naming_the_key(capsys, inputs, tmp_path, ov
     overrides = [o.replace("{in}", str(inputs)) for o in overrides]
     _refused(capsys, "train", "--config", TINY, f"run.output_dir={runs}", *overrides, names=tuple(names))
     assert not runs.exists()
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_the_run_directory(capsys, inputs, tmp_path, monkeypatch):
+    # Accelerate drops it with a warning and the run would log to no tracker; tensorboard alone is "installed" here.
+    import accelerate.tracking
+    from accelerate.utils import LoggerType
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [LoggerType.TENSORBOARD])
+    runs = tmp_path / "runs"
+    args = ("train", "--config", TINY, f"run.output_dir={runs}", "run.trackers=[tensorboard, wandb]")
+    _refused(capsys, *args, names=("run.trackers: wandb is not installed", "pip install wandb"))
+    assert not runs.exists()
+    # A run's config read to evaluate or export its weights, on a machine without its trackers, is not refused.
+    from flowgrpo.config import load_config
+
+    assert load_config(TINY, ["run.trackers=[wandb]"], training=False).run.trackers == ["wandb"]
 
 
 @pytest.mark.parametrize("name, why", [("not_utf8.yaml", "UTF-8"), ("a_directory", "is a directory")])
