@@ -68,8 +68,10 @@ def one_of(path: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
 
 
 def check_trackers(trackers: list[str], path: str = "run.trackers") -> None:
-    """Each tracker a name accelerate knows and whose package is installed. Accelerate itself drops a tracker that
-    is not installed with only a warning, and the run would then log to none of them without saying so."""
+    """Each tracker a name accelerate knows and whose package is installed: accelerate raises a traceback for an
+    unknown name and skips one that is not installed with only a debug log, and the run would then log to none of
+    them without saying so. Checked by the trainer, not by the config (evaluating or exporting a run's weights on
+    a machine without its trackers, or sampling an offline store, logs to no tracker)."""
     from accelerate.tracking import get_available_trackers
     from accelerate.utils import LoggerType
 

@@ -31,7 +31,7 @@ from .adapters.registry import (
 )
 from .advantages import available_advantage_estimators, estimator_sections, validate_estimator
 from .advantages.diversity import DiversityConfig, check_diversity
-from .checks import ConfigError, check_num_frames, check_range, check_trackers, check_true_cfg, one_of
+from .checks import ConfigError, check_num_frames, check_range, check_true_cfg, one_of
 from .objectives import get_objective, objective_sections
 from .objectives.base import check_whole_groups
 from .objectives.forward import ForwardProcessConfig
@@ -670,7 +670,6 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
         check_whole_groups(config, world_size)
     if training:
         validate_rollout(config, world_size)
-        check_trackers(config.run.trackers)  # not for evaluating a run's weights on a machine without its trackers
     else:
         get_rollout(s.rollout)  # the name only
     validate_estimator(config)

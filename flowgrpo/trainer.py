@@ -44,6 +44,7 @@ from .checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from .checks import check_trackers
 from .config import VIDEO_KINDS, Config, ConfigError, accumulation_steps, micro_batches_per_pass, validate
 from .data import PromptDataset, check_editing, small_prompt_set_warning
 from .ema import EMA
@@ -83,6 +84,7 @@ class GRPOTrainer:
 
     def __init__(self, config: Config, run_dir: Path | None = None) -> None:
         self.config = config
+        check_trackers(config.run.trackers)  # before accelerate, which raises on an unknown name, skips a missing one
         # Trackers need a logging directory at construction; it is pointed at the run directory once that exists.
         project = ProjectConfiguration(project_dir=config.run.output_dir, logging_dir=config.run.output_dir)
         self.accelerator = Accelerator(

@@ -282,7 +282,8 @@ def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: s
     """Trains the runs not finished yet (``args.jobs`` at a time, ``args.minutes`` × budget on ``args.clock``, with
     ``args.overrides``), evaluates the shipped model under ``base_preset`` for each of ``args.seeds`` (cached under
     ``args.work``) and every run's final model, ``args.eval_samples`` images per held-out line; fills each run's
-    ``summary`` and ``rows`` and returns the base's summaries by seed, or None (said on stderr) when a run failed."""
+    ``summary`` and ``rows`` (and with ``args.also_last`` its ``last_summary``: its last weights where it evaluates
+    an EMA) and returns the base's summaries by seed, or None (said on stderr) when a run failed."""
     work = Path(args.work)
     todo = [r for r in runs if _final_checkpoint(r.folder) is None]
     print(f"{len(runs)} runs ({len(runs) - len(todo)} already done), {args.jobs} at a time")
@@ -313,7 +314,7 @@ def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: s
     for run, summary in zip(runs, summaries, strict=True):
         run.summary = summary
         run.rows = _metrics(run.folder)
-    for run, summary in zip(runs, last, strict=False):
+    for run, summary in zip(runs, last or [None] * len(runs), strict=True):
         run.last_summary = summary
     return base
 
@@ -429,12 +430,12 @@ def _evaluate_run(folder: Path, samples: int, last: bool = False) -> dict[str, f
     from flowgrpo.export import run_config
 
     checkpoint = _final_checkpoint(folder)
+    cached = checkpoint / f"eval{samples}{'-last' if last else ''}.json"
+    if cached.is_file():  # read before the config: a cached run's numbers stay readable whatever its config does now
+        return json.loads(cached.read_text(encoding="utf-8"))
     config = run_config(checkpoint, ["run.resume=null"])
     if last and not config.eval.use_ema:
         return None
-    cached = checkpoint / f"eval{samples}{'-last' if last else ''}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
     summary = _evaluate(config, checkpoint, samples, ema=False if last else None)
     cached.write_text(json.dumps(summary), encoding="utf-8")
     return summary
@@ -466,7 +467,8 @@ def write_table(
     plot: str,
     argv_shown: str | None = None,
 ) -> str:
-    """The markdown page: the table, the noise verdicts against the first preset, the curves."""
+    """The markdown page: the table (with a row of their last weights under each group of runs that has them), the
+    EMA's paired lead over those, the noise verdicts against the first preset, the curves."""
     groups: dict[tuple[str, float], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.label, run.budget), []).append(run)

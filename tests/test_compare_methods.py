@@ -252,3 +252,20 @@ def test_last_weights_are_evaluated_only_for_runs_that_evaluate_an_ema(monkeypat
     assert calls == [False] and json.loads((tmp_path / "eval8-last.json").read_text()) == {"a": 1}
     assert cm._evaluate_run(tmp_path, 8) == {"a": 1} and calls == [False, None]  # the EMA itself, its own file
     assert cm._evaluate_run(tmp_path, 8, last=True) == {"a": 1} and len(calls) == 2  # cached
+
+
+def test_also_last_reads_each_runs_last_weights_into_its_own_row(fake_training, monkeypatch, tmp_path):
+    def evaluate_run(folder, samples, last=False):  # seed 1's EMA 3 points above its last weights, seed 0's 5
+        ema = 0.5 + 0.01 * ("seed1" in str(folder))
+        cc = ema - (0.03 if "seed1" in str(folder) else 0.05) if last else ema
+        return {cm.COLOR_COUNT: cc, cm.EXACT: 0.4, f"{cm.COLOR_COUNT}/pass@1": 0.5, "images": 96.0}
+
+    monkeypatch.setattr(cm, "_evaluate_run", evaluate_run)
+    out = tmp_path / "m.md"
+    argv = ["--presets", "shapes_best", "--seeds", "0", "1", "--minutes", "0.5", "--jobs", "1", "--clock", "wall"]
+    argv += ["--eval-samples", "1", "--work", str(tmp_path / "work"), "--out", str(out)]
+    assert cm.main(argv) == 0 and "its last weights" not in out.read_text()  # only when asked
+    assert cm.main([*argv, "--also-last"]) == 0
+    page = out.read_text()
+    assert "| `shapes_best`, its last weights | ×1 | -3.5 ± 2.1 | -5.0 / -2.0 |" in page  # the base: 0.5 each seed
+    assert "- `shapes_best` ×1: +4.0 ± 1.0 points (+5.0 / +3.0): better" in page  # EMA rows +0.0 / +1.0

@@ -119,10 +119,12 @@ def test_a_tracker_that_is_not_installed_is_refused_before_the_run_directory(cap
     args = ("train", "--config", TINY, f"run.output_dir={runs}", "run.trackers=[tensorboard, wandb]")
     _refused(capsys, *args, names=("run.trackers: wandb is not installed", "pip install wandb"))
     assert not runs.exists()
-    # A run's config read to evaluate or export its weights, on a machine without its trackers, is not refused.
+    # The trainer checks, not the config: a run's config read to evaluate or export its weights on a machine without
+    # its trackers, or to sample an offline store (scripts/sample_offline.py), logs to no tracker and is not refused.
     from flowgrpo.config import load_config
 
-    assert load_config(TINY, ["run.trackers=[wandb]"], training=False).run.trackers == ["wandb"]
+    for training in (False, True):
+        assert load_config(TINY, ["run.trackers=[wandb]"], training=training).run.trackers == ["wandb"]
 
 
 @pytest.mark.parametrize("name, why", [("not_utf8.yaml", "UTF-8"), ("a_directory", "is a directory")])
