@@ -457,7 +457,13 @@ def within_noise(a: list[float], b: list[float]) -> tuple[float, float, bool]:
     """(difference of means, its standard error sqrt(s_a²/n_a + s_b²/n_b), whether |difference| < 2 × error)."""
     (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
     error = math.sqrt(sa**2 / len(a) + sb**2 / len(b))
-    return ma - mb, error, abs(ma - mb) < 2 * error
+    return ma - mb, error, verdict(ma - mb, error) == "within noise"
+
+
+def verdict(difference: float, error: float) -> str:
+    """The verdict on a difference with standard error ``error``: within noise when smaller than twice it, else
+    better or worse; the one criterion of the unpaired and the paired comparisons."""
+    return "within noise" if abs(difference) < 2 * error else ("better" if difference > 0 else "worse")
 
 
 def write_table(
@@ -547,18 +553,16 @@ def paired_verdict(gains: list[float], reference: list[float]) -> str:
     if len(differences) < 2:
         return f"{d:+.1f} points: one seed, no noise estimate"
     error = spread / math.sqrt(len(differences))
-    verdict = "within noise" if abs(d) < 2 * error else ("better" if d > 0 else "worse")
-    return f"{d:+.1f} ± {error:.1f} points ({each}): {verdict}"
+    return f"{d:+.1f} ± {error:.1f} points ({each}): {verdict(d, error)}"
 
 
 def noise_verdict(gains: list[float], reference: list[float]) -> str:
     """``"+d ± e points: within noise"`` (or better, worse): the difference of mean gains and its standard error.
     With one seed on either side there is no spread to measure the difference against: no verdict then."""
-    d, error, noise = within_noise(gains, reference)
+    d, error, _ = within_noise(gains, reference)
     if min(len(gains), len(reference)) < 2:
         return f"{d:+.1f} points: one seed, no noise estimate (a scout; one run's end point swings by several points)"
-    verdict = "within noise" if noise else ("better" if d > 0 else "worse")
-    return f"{d:+.1f} ± {error:.1f} points: {verdict}"
+    return f"{d:+.1f} ± {error:.1f} points: {verdict(d, error)}"
 
 
 def smoothed_curve(rows: list[dict], grid: list[float], window: int = 5, clock: str = "time/cpu") -> list[float]:

@@ -110,7 +110,7 @@ def test_bad_training_configs_exit_2_naming_the_key(capsys, inputs, tmp_path, ov
 
 
 def test_a_tracker_that_is_not_installed_is_refused_before_the_run_directory(capsys, inputs, tmp_path, monkeypatch):
-    # Accelerate drops it with a warning and the run would log to no tracker; tensorboard alone is "installed" here.
+    # Accelerate skips it with a debug log and the run would log to no tracker; tensorboard alone is "installed" here.
     import accelerate.tracking
     from accelerate.utils import LoggerType
 
