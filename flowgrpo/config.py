@@ -274,10 +274,11 @@ class GRPOConfig:
     #                                    kept count to a multiple of it)
     nan_policy: str = "error"  # non-finite rewards: error | drop (the affected groups get advantage 0)
     objective: str = "clipped"  # clipped: the ratio of the stored SDE steps' log-probs (Flow-GRPO eq. 8) | awm: the
-    #                             flow-matching loss on each final sample, weighted by its advantage (ODE rollouts:
-    #                             sampler.noise_level 0) | nft: DiffusionNFT's negative-aware loss on the same noised
-    #                             samples | fpo: FPO's clipped ratio of flow-matching losses (an ELBO ratio) on them |
-    #                             any registered objective (flowgrpo.objectives)
+    #                             flow-matching loss on each final sample, weighted by its advantage (ODE rollouts at
+    #                             sampler.noise_level 0; > 0: the window's steps SDE, not kept) | nft: DiffusionNFT's
+    #                             negative-aware loss on the same noised samples | fpo: FPO's clipped ratio of
+    #                             flow-matching losses (an ELBO ratio) on them | any registered objective
+    #                             (flowgrpo.objectives)
 
     def __post_init__(self) -> None:
         _add_plugin_sections(self)  # grpo.<objective>: the registered objectives' settings

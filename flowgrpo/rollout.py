@@ -255,6 +255,7 @@ def rollout(
     sources: Sequence[Any] | None = None,
     observe: StepObserver | None = None,
     store_means: bool = False,
+    keep_transitions: bool = True,
 ) -> Trajectory:
     """Sample ``len(prompts)`` images; steps in ``window`` use the SDE and are stored, the rest use the ODE
     (the steps after the window: ``sampler.post_window.solver``; the final step: the SDE too, unstored, when
@@ -265,8 +266,9 @@ def rollout(
     ``observe(i, x, t, v)`` (dense rewards) is called at every window and post-window step ``i`` of the plan's
     schedule before the step is taken, with every image's latents, the step's sigma and the velocity the step
     uses (the forward the rollout makes anyway); it must not modify them. ``store_means``: keep each window step's
-    mean in ``Trajectory.means`` (float32, as the step computes it; otherwise None). The parts of the schedule:
-    :class:`RolloutPlan`."""
+    mean in ``Trajectory.means`` (float32, as the step computes it; otherwise None). ``keep_transitions=False``:
+    the window's steps still use the SDE but nothing of them is kept (the trajectory has no trained steps), for
+    objectives that train the final samples only. The parts of the schedule: :class:`RolloutPlan`."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")
@@ -287,11 +289,11 @@ def rollout(
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
         at = _observed(plan, velocity_fn, observe)
-        x, history, stored = _window(plan, at, sde, x, history, bar, store_means)  # SDE, stored
+        x, history, stored = _window(plan, at, sde, x, history, bar, store_means, keep_transitions)  # SDE
         x = _tail(plan, at, sde, x, history, bar)  # the post-window solver; the final SDE step
 
     before, after, log_probs, stds, means = stored
-    window_idx = list(plan.window)
+    window_idx = list(plan.window) if keep_transitions else []
     n = len(prompts)
     latent_shape = tuple(x.shape[1:])
     stack = lambda items, dtype=x.dtype: (  # noqa: E731
@@ -423,22 +425,24 @@ def _window(
     history: SolverHistory,
     bar: tqdm,
     store_means: bool = False,
+    keep: bool = True,
 ) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
     """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
     stds, means)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``; means:
-    float32 ``[B, *latent]``, only with ``store_means``, else no entry)."""
+    float32 ``[B, *latent]``, only with ``store_means``, else no entry); with ``keep=False`` every list is empty."""
     before, after, log_probs, stds, means = [], [], [], [], []
     for i in plan.window:
         t, t_next, v = at(x, i)
         history = _record(plan, x, t, v, history)
         step = sde(v, x, t, t_next)
-        before.append(x)
-        after.append(step.sample)
-        log_probs.append(step.log_prob)
-        std = step.std.float()
-        stds.append(std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(x)))
-        if store_means:
-            means.append(step.mean.float())
+        if keep:
+            before.append(x)
+            after.append(step.sample)
+            log_probs.append(step.log_prob)
+            std = step.std.float()
+            stds.append(std.reshape(std.shape[0], -1)[:, 0] if std.ndim else std.expand(len(x)))
+            if store_means:
+                means.append(step.mean.float())
         x = step.sample
         bar.update()
     return x, history, (before, after, log_probs, stds, means)

@@ -224,7 +224,6 @@ def test_awm_trains_every_lora_weight_of_the_other_families(kind):
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("sampler.noise_level=0.7", "sampler.noise_level"),
         ("sampler.same_initial_noise=true", "sampler.same_initial_noise"),
         ("grpo.timestep_fraction=0.5", "grpo.timestep_fraction"),
         ("sampler.post_window.solver=dpmpp_2m", "sampler.post_window.solver"),

@@ -112,7 +112,7 @@ def test_whole_groups_are_dealt_to_one_process_and_kept_in_one_micro_batch():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("sampler.noise_level=0.7", "sampler.noise_level"),
+        ("sampler.last_step=sde", "sampler.last_step"),  # the ODE rollout has no SDE step
         ("grpo.dgpo.beta=0", "grpo.dgpo.beta"),
         ("grpo.dgpo.timesteps=0", "grpo.dgpo.timesteps"),
         ("grpo.drop_zero_advantage=true", "grpo.drop_zero_advantage"),

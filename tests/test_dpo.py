@@ -114,7 +114,7 @@ def test_only_the_epoch_reference_refuses_sharded_parameters():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("sampler.noise_level=0.7", "sampler.noise_level"),
+        ("sampler.last_step=sde", "sampler.last_step"),  # the ODE rollout has no SDE step
         ("grpo.dpo.beta=0", "grpo.dpo.beta"),
         ("grpo.dpo.reference=old", "grpo.dpo.reference"),
         ("grpo.drop_zero_advantage=true", "grpo.drop_zero_advantage"),

@@ -148,7 +148,7 @@ def test_old_weights_run_a_block_on_the_snapshot_and_restore_the_storage():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("sampler.noise_level=0.7", "sampler.noise_level"),
+        ("sampler.last_step=sde", "sampler.last_step"),  # the ODE rollout has no SDE step
         ("grpo.nft.beta=0", "grpo.nft.beta"),
         ("grpo.nft.adv_clip_max=-1", "grpo.nft.adv_clip_max"),
         ("grpo.nft.timesteps=0", "grpo.nft.timesteps"),

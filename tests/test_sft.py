@@ -80,7 +80,7 @@ def test_only_top_k_needs_whole_groups():
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("sampler.noise_level=0.7", "sampler.noise_level"),
+        ("sampler.last_step=sde", "sampler.last_step"),  # the ODE rollout has no SDE step
         ("grpo.sft.select=best", "grpo.sft.select"),
         ("grpo.sft.top_k=4", "grpo.sft.top_k"),  # the whole group of 4
         ("grpo.sft.top_k=0", "grpo.sft.top_k"),

@@ -4,7 +4,9 @@
 Each loss term noises a sample's final latent x0 afresh, ``x_σ = (1 - σ) x0 + σ ε``, and evaluates the network at
 ``(x_σ, σ)``. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``, then shifted by
 ``time_shift`` like the model's sampling schedule: ``σ <- s·σ / (1 + (s - 1)·σ)``. Nothing of the sampling path is
-needed (no log-probs, no SDE), so these objectives roll out with the plain ODE. Objectives that compare images
+needed (no log-probs, no SDE), so these objectives roll out with the plain ODE; with ``sampler.noise_level > 0`` the
+window's steps (``sampler.window``; size 0: every step but the last) sample with the SDE instead, the rollout sampler
+axis of the ELBO design-space study, and their transitions are not kept. Objectives that compare images
 (a DPO pair, a DGPO group) draw one (σ, ε) per pair or group and give it to all its rows (``share``), so that their
 losses differ by the images alone, as Diffusion-DPO does.
 """
@@ -168,14 +170,23 @@ class ForwardProcessObjective(Objective):
 
 
 def check_forward_process(config: Config, name: str) -> None:
-    """A forward-process objective trains on the final samples: settings of the transitions' ratio do not apply, and
-    its section ``grpo.<name>`` must draw σ from a proper distribution."""
+    """A forward-process objective trains on the final samples: settings of the transitions' ratio do not apply,
+    those of a stochastic rollout only with ``sampler.noise_level > 0`` (on a chain), and its section ``grpo.<name>``
+    must draw σ from a proper distribution."""
     s, g = config.sampler, config.grpo
-    fixes = {
-        "sampler.noise_level": (s.noise_level, 0.0, f"{name} needs no log-probs, so the rollout is the plain ODE"),
+    if s.noise_level > 0 and s.rollout != "chain":  # SDE rollouts (the study's sampler axis) only on plain chains
+        raise ConfigError(
+            f"grpo.objective={name}: sampler.noise_level={s.noise_level} samples SDE rollouts, which only "
+            f"sampler.rollout: chain takes for an objective on the final samples, got {s.rollout!r}; set "
+            "sampler.noise_level: 0 (the ODE) or sampler.rollout: chain"
+        )
+    ode = {  # settings of a stochastic rollout: an SDE rollout (noise_level > 0) may use them
         "sampler.same_initial_noise": (s.same_initial_noise, False, "under the ODE a group's images would be equal"),
         "sampler.post_window.solver": (s.post_window.solver, "euler", "it would replace the whole ODE rollout"),
         "sampler.last_step": (s.last_step, "ode", "there is no SDE step"),
+    }
+    fixes = {
+        **(ode if s.noise_level == 0 else {}),
         "grpo.timestep_fraction": (g.timestep_fraction, 1.0, f"{name} trains grpo.{name}.timesteps σ per sample"),
     }
     for key, (value, wanted, why) in fixes.items():

@@ -3,7 +3,9 @@
 Rollout batches of ``sampler.batch_size`` images in the epoch's prompt order (:func:`flowgrpo.rollout.rollout` samples
 each: shared prefix, window, post-window solver). The window (:class:`samplers.SlidingWindow`) is a function of the
 epoch, or with ``sampler.window.per_batch`` of (epoch, global batch index) as Flow-GRPO-Fast draws it. Objectives that
-train the final samples only (``rollout = "ode"``) get no window: every step is the ODE.
+train the final samples only (``rollout = "ode"``) get no window, every step the ODE, unless
+``sampler.noise_level > 0``: then the window's steps use the SDE and nothing of them is kept (the design-space study's
+SDE rollouts).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ class Chain(RolloutStrategy):
 
     def __init__(self, context: RolloutContext) -> None:
         super().__init__(context)
-        self.window = make_window(context.config, context.objective.rollout == "sde_window")
+        self.keep_transitions = context.objective.rollout == "sde_window"
+        stochastic = self.keep_transitions or context.config.sampler.noise_level > 0
+        self.window = make_window(context.config, stochastic)
 
     def collect(self, epoch: int) -> Collected | None:
         ctx, cfg = self.context, self.context.config
@@ -96,5 +100,6 @@ class Chain(RolloutStrategy):
             window,
             self.context.generator,
             observe=observe,
+            keep_transitions=self.keep_transitions,
             **self.sampling_options(metadata, sources),
         )
