@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --presets {bad}: a variant is preset+key=value+key=value", file=sys.stderr)
         return 2
     configs = load_budgeted({spec: (p, [*own, *args.overrides]) for spec, (p, own) in variants.items()}, args)
-    if configs is None:
+    if configs is None or not base_loads(variants[args.presets[0]][0], args.overrides):
         return 2
     work = Path(args.work)
     procs = f"-{args.processes}proc" if args.processes > 1 else ""
@@ -141,6 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     ]
     by_label = {_variant_label(*variants[spec]): configs[spec] for spec in args.presets}
     return measure(runs, args, variants[args.presets[0]][0], lambda run: by_label[run.label], write_table)
+
+
+def base_loads(preset: str, overrides: list[str]) -> bool:
+    """Whether the config the shipped model is evaluated under (:func:`_evaluate_base`: the first preset with the
+    overrides given to every run) loads; said on stderr, with the fix, when not: before any run trains, not after."""
+    from flowgrpo.config import ConfigError, load_config
+
+    try:
+        load_config(_preset_path(preset), overrides)
+    except (ConfigError, OSError) as err:
+        print(
+            f"error: the shipped model is evaluated under {_stem(preset)} with the overrides given to every run, "
+            f"which it refuses: {err}. Give such an override to each variant instead (preset+key=value)",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def measure(runs: list[Run], args: argparse.Namespace, base_preset: str, config_of, write_page) -> int:

@@ -176,6 +176,15 @@ def test_a_variant_carries_its_own_overrides_row_and_folder(fake_training, tmp_p
     assert "a variant is preset+key=value" in capsys.readouterr().err
 
 
+def test_overrides_the_base_evaluation_refuses_are_refused_before_any_run_trains(fake_training, tmp_path, capsys):
+    # 192 samples an epoch take batches of 24; the base evaluation loads the first preset (128) with them too.
+    argv = ["--presets", "shapes_best+grpo.groups_per_epoch=24", "--seeds", "0", "--work", str(tmp_path / "w")]
+    assert cm.main([*argv, "--out", str(tmp_path / "m.md"), "train.batch_size=24"]) == 2
+    err = capsys.readouterr().err
+    assert "the shipped model is evaluated under shapes_best" in err and "train.batch_size=24" in err
+    assert "preset+key=value" in err and fake_training == [] and not list(tmp_path.iterdir())
+
+
 def test_several_processes_are_refused_on_the_cpu_clock_and_on_shared_cores(
     fake_training, monkeypatch, tmp_path, capsys
 ):
