@@ -133,7 +133,7 @@ class ModelConfig:
 
 @dataclass
 class WindowConfig:
-    """``sampler.window:`` which steps are SDE (and trained); see samplers.SlidingWindow."""
+    """``sampler.window:`` which steps are SDE (and, for a per-step objective, trained); see samplers.SlidingWindow."""
 
     size: int = 0  # 0: every step but the last (Flow-GRPO); MixGRPO: 4
     strategy: str = "progressive"  # progressive | random | decay | exp_decay

@@ -274,7 +274,6 @@ def test_the_loss_needs_the_epochs_old_weights_and_sharded_parameters_are_refuse
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["sampler.noise_level=0.7", "sampler.rollout=dense"], "sampler.rollout: chain"),  # SDE: chains only
         (["grpo.fpo.timesteps=0"], "grpo.fpo.timesteps"),
         (["grpo.fpo.logit_std=0"], "grpo.fpo.logit_std"),
         (["grpo.fpo.clip_range=0"], "grpo.fpo.clip_range"),

@@ -9,8 +9,9 @@ and applies the rectified-flow loss the model was pretrained with, weighted by t
     x_σ = (1 - σ) x0 + σ ε,   loss = mean_i A_i · mean(|v_θ(x_σ, σ) - (ε - x0)|²)
 
 Better-than-group images are made more likely the way pretraining makes data likely, worse ones less. Nothing of the
-sampling path is needed (no log-probs, no SDE), so the rollout is the plain ODE; the network sees the conditional
-prompt only (no CFG), one forward per term. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``,
+sampling path is needed (no log-probs, no SDE), so the rollout is the plain ODE (or SDE steps with
+``sampler.noise_level > 0``, :mod:`.forward`); the network sees the conditional prompt only (no CFG), one forward per
+term. σ is drawn as in SD3's pretraining, ``sigmoid(N(logit_mean, logit_std²))``,
 then shifted by ``grpo.awm.time_shift`` like the model's sampling schedule (:mod:`.forward`). The negative weights make
 the loss unbounded below (pushing a velocity ever further from a bad sample lowers it): with ``grpo.kl.beta`` β > 0 the
 adapter-disabled model's velocity at the same point anchors it, ``+ β · mean_i mean(|v_θ - v_ref|²)`` (one more

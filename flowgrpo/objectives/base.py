@@ -7,6 +7,7 @@ An objective is a class registered by name::
         config_class = MySettings          # optional dataclass: its section, grpo.my_objective.*
         rollout = "ode"                    # "sde_window": the window's SDE transitions are stored and re-scored
                                            # "ode": the rollout is the plain ODE, the final samples are trained
+                                           # (SDE window steps, not kept, with sde_final_samples and noise > 0)
         samples_from_current_weights = False  # True: the loss assumes the epoch's samples were drawn with the
                                               # weights its training compares with (old weights, a likelihood
                                               # ratio): refused on samples drawn once (sampler.rollout: offline)
@@ -70,6 +71,10 @@ class Objective:
     name: ClassVar[str] = ""  # set by register_objective
     config_class: ClassVar[type | None] = None  # its settings, the section grpo.<name>
     rollout: ClassVar[str] = "sde_window"
+    #: an ``ode`` objective that takes SDE rollouts: with ``sampler.noise_level > 0`` the window's steps sample with
+    #: the SDE and nothing of them is kept (the forward-process objectives, :mod:`.forward`); False: the plain ODE
+    #: whatever the noise level
+    sde_final_samples: ClassVar[bool] = False
     #: why the objective cannot run on parameters sharded over processes (DeepSpeed ZeRO, FSDP); None: it can
     refuses_sharded: ClassVar[str | None] = None
     #: whether the loss assumes that the epoch's samples were drawn with the trainable weights as the epoch's training

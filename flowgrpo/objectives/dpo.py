@@ -19,8 +19,9 @@ A group whose rewards are all equal has no preference: its pair (two arbitrary i
 (the Flow-GRPO code trains images 1 and 0 of such a group as if 1 were better). σ ~ the logit-normal of
 :mod:`.forward` with ``time_shift``, as the Flow-GRPO DPO script draws it (``compute_density_for_timestep_sampling``,
 logit-normal (0, 1), on the scheduler's shifted sigmas). Rollouts are the plain ODE with the current weights, like
-awm/nft; the Flow-GRPO script samples with its reference adapter and refreshes it only when ``global_step`` is a
-multiple of ``ref_update_step`` at an epoch start (its 39 steps per epoch against 40: every 40 epochs).
+awm/nft (SDE steps with ``sampler.noise_level > 0``); the Flow-GRPO script samples with its reference adapter and
+refreshes it only when ``global_step`` is a multiple of ``ref_update_step`` at an epoch start (its 39 steps per epoch
+against 40: every 40 epochs).
 Micro-batches hold whole pairs (``Objective.needs_whole_groups``): ``train.batch_size`` counts the groups' images
 (a multiple of ``grpo.group_size``), of which 2 per group are forwarded.
 """

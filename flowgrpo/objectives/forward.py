@@ -160,6 +160,7 @@ class ForwardProcessObjective(Objective):
 
     config_class: ClassVar[type] = ForwardProcessConfig
     rollout: ClassVar[str] = "ode"
+    sde_final_samples: ClassVar[bool] = True  # sampler.noise_level > 0: the study's SDE rollouts
 
     @classmethod
     def validate(cls, config: Config) -> None:

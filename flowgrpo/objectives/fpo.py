@@ -4,7 +4,8 @@
 Settings ``grpo.fpo``. FPO keeps PPO's clipped surrogate and replaces the policy's likelihood ratio, which a flow model
 cannot compute, by one built from the conditional flow-matching (CFM) loss, an ELBO of the sample's log-likelihood up
 to a constant. Like AWM (:mod:`.awm`) it trains on the forward process of the final samples, so the rollout is the
-plain ODE. Per term and sample i, one fresh (σ, ε) (:func:`~.forward.noised_point`), the weighted error under the
+plain ODE (or, the design-space study's other rollout, SDE steps with ``sampler.noise_level > 0``: :mod:`.forward`).
+Per term and sample i, one fresh (σ, ε) (:func:`~.forward.noised_point`), the weighted error under the
 current weights θ and under the old ones (the weights the epoch's images were sampled with, snapshot when its training
 begins), at the same point::
 

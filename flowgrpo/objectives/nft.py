@@ -1,7 +1,8 @@
 """Negative-aware fine-tuning (DiffusionNFT; Zheng et al., arXiv 2509.16117) as ``grpo.objective: nft``.
 
 Settings ``grpo.nft``. Like AWM (:mod:`.awm`) it trains on the forward process: each image's final latent x0 is
-noised afresh, x_σ = (1 - σ) x0 + σ ε, and the rollout is the plain ODE. Instead of weighting the flow-matching loss
+noised afresh, x_σ = (1 - σ) x0 + σ ε, and the rollout is the plain ODE (or SDE steps with ``sampler.noise_level >
+0``, :mod:`.forward`). Instead of weighting the flow-matching loss
 by the advantage, it fits two implicit policies built from the current velocity v_θ and the *old* one v_old (the weights
 the epoch's images were sampled with, frozen for the epoch)::
 

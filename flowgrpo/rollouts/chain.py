@@ -3,9 +3,9 @@
 Rollout batches of ``sampler.batch_size`` images in the epoch's prompt order (:func:`flowgrpo.rollout.rollout` samples
 each: shared prefix, window, post-window solver). The window (:class:`samplers.SlidingWindow`) is a function of the
 epoch, or with ``sampler.window.per_batch`` of (epoch, global batch index) as Flow-GRPO-Fast draws it. Objectives that
-train the final samples only (``rollout = "ode"``) get no window, every step the ODE, unless
-``sampler.noise_level > 0``: then the window's steps use the SDE and nothing of them is kept (the design-space study's
-SDE rollouts).
+train the final samples only (``rollout = "ode"``) get no window, every step the ODE, unless they take SDE rollouts
+(``Objective.sde_final_samples``) and ``sampler.noise_level > 0``: then the window's steps use the SDE and nothing of
+them is kept (the design-space study's SDE rollouts).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class Chain(RolloutStrategy):
     def __init__(self, context: RolloutContext) -> None:
         super().__init__(context)
         self.keep_transitions = context.objective.rollout == "sde_window"
-        stochastic = self.keep_transitions or context.config.sampler.noise_level > 0
+        noisy = context.objective.sde_final_samples and context.config.sampler.noise_level > 0
+        stochastic = self.keep_transitions or noisy
         self.window = make_window(context.config, stochastic)
 
     def collect(self, epoch: int) -> Collected | None:
