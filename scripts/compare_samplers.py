@@ -128,7 +128,7 @@ def compare(args: argparse.Namespace) -> int:
     """Trains and evaluates every (sampler, seed) under compare_methods' protocol and writes the table and curves."""
     preset = str(args.config)
     configs = cm.load_budgeted({n: (preset, [*SAMPLERS[n][1], *args.overrides]) for n in args.samplers}, args)
-    if configs is None:
+    if configs is None or not cm.base_loads(preset, args.overrides):  # the base: no sampler overrides
         return 2
     runs = [
         cm.Run(

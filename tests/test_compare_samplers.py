@@ -86,6 +86,14 @@ def test_the_global_overrides_follow_the_samplers_and_a_failed_run_stops_it(fake
     assert not (tmp_path / "s.md").exists()
 
 
+def test_overrides_the_base_evaluation_refuses_are_refused_before_any_run_trains(fake, tmp_path, capsys):
+    # squared_error log-probs are CPS's only: cps' own overrides take them, the preset the base is evaluated under not.
+    argv = ["--samplers", "cps", "--seeds", "0", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "s.md")]
+    assert cs.main([*argv, "sampler.log_prob=squared_error"]) == 2
+    assert "the shipped model is evaluated under shapes" in capsys.readouterr().err
+    assert fake == [] and not list(tmp_path.iterdir())
+
+
 def test_the_script_never_writes_docs_shapes_md(fake):
     with pytest.raises(SystemExit):
         cs.main(["--out", str(ROOT / "docs" / "shapes.md")])
