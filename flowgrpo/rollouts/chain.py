@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from .base import RolloutContext
 
 
-def make_window(config: Config, stores_transitions: bool = True) -> SlidingWindow | NoWindow:
-    """The sampler's window of SDE (trained) steps; :class:`NoWindow` when nothing stores transitions."""
-    if not stores_transitions:
+def make_window(config: Config, stochastic: bool = True) -> SlidingWindow | NoWindow:
+    """The sampler's window of SDE steps (trained ones, for a per-step objective); :class:`NoWindow` when the rollout
+    has none (``stochastic`` False: an objective on the final samples under the ODE)."""
+    if not stochastic:
         return NoWindow()
     w = config.sampler.window
     return SlidingWindow(
@@ -52,8 +53,7 @@ class Chain(RolloutStrategy):
         super().__init__(context)
         self.keep_transitions = context.objective.rollout == "sde_window"
         noisy = context.objective.sde_final_samples and context.config.sampler.noise_level > 0
-        stochastic = self.keep_transitions or noisy
-        self.window = make_window(context.config, stochastic)
+        self.window = make_window(context.config, self.keep_transitions or noisy)
 
     def collect(self, epoch: int) -> Collected | None:
         ctx, cfg = self.context, self.context.config
