@@ -181,13 +181,13 @@ def check_forward_process(config: Config, name: str) -> None:
             f"sampler.rollout: chain takes for an objective on the final samples, got {s.rollout!r}; set "
             "sampler.noise_level: 0 (the ODE) or sampler.rollout: chain"
         )
-    ode = {  # settings of a stochastic rollout: an SDE rollout (noise_level > 0) may use them
+    ode_only = {  # refused under the ODE only: settings of a stochastic rollout, which an SDE rollout may use
         "sampler.same_initial_noise": (s.same_initial_noise, False, "under the ODE a group's images would be equal"),
         "sampler.post_window.solver": (s.post_window.solver, "euler", "it would replace the whole ODE rollout"),
         "sampler.last_step": (s.last_step, "ode", "there is no SDE step"),
     }
     fixes = {
-        **(ode if s.noise_level == 0 else {}),
+        **(ode_only if s.noise_level == 0 else {}),
         "grpo.timestep_fraction": (g.timestep_fraction, 1.0, f"{name} trains grpo.{name}.timesteps σ per sample"),
     }
     for key, (value, wanted, why) in fixes.items():
