@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from samplers import (
     MULTISTEP_SOLVERS,
+    NoWindow,
+    SlidingWindow,
     Transition,
     compress_schedule,
     get_sde_step,
@@ -31,7 +33,7 @@ from samplers.solvers import SolverHistory
 from .adapters import PipelineAdapter, PromptEmbeds
 
 if TYPE_CHECKING:
-    from .config import SamplerConfig  # a type hint only: config imports modules that import this one
+    from .config import Config, SamplerConfig  # type hints only: config imports modules that import this one
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]  # v(x, sigma)
 StepFn = Callable[[Tensor, Tensor, Tensor, Tensor], Transition]  # (v, x, t, t_next): sde_step with its options bound
@@ -196,6 +198,27 @@ class RolloutPlan:
     @property
     def num_steps(self) -> int:
         return len(self.sigmas) - 1
+
+
+def make_window(config: Config, stochastic: bool = True) -> SlidingWindow | NoWindow:
+    """The sampler's window of SDE steps (trained ones, for a per-step objective); :class:`NoWindow` when the rollout
+    has none (``stochastic`` False: an objective on the final samples under the ODE)."""
+    if not stochastic:
+        return NoWindow()
+    w = config.sampler.window
+    return SlidingWindow(
+        config.sampler.num_steps,
+        w.size,
+        strategy=w.strategy,
+        shift_interval=w.shift_interval,
+        stride=w.stride,
+        roll_back=w.roll_back,
+        seed=config.run.seed,
+        max_start=w.max_start,
+        decay_rate=w.decay_rate,
+        decay_threshold=w.decay_threshold,
+        end_margin=w.end_margin,
+    )
 
 
 def plan_rollout(sampler: SamplerConfig, window: range, sigmas: Tensor) -> RolloutPlan:

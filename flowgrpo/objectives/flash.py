@@ -62,7 +62,7 @@ from torch import Tensor
 from samplers import sde_step
 
 from ..checks import ConfigError, one_of
-from ..rollout import plan_rollout
+from ..rollout import make_window, plan_rollout
 from .base import MicroBatch, Objective, register_objective
 from .clipped import step_advantages, timestep_loss
 
@@ -203,9 +203,7 @@ class Flash(Objective):
         if key not in self._normalizers:
             s = self.config.sampler
             sigmas, _ = adapter.schedule(s.num_steps, sub.height, sub.width, time_shift=s.time_shift)
-            from ..rollouts import make_window  # the sampler's window: which starts the rollout draws from
-
-            starts = range(0, make_window(self.config).max_start + 1)
+            starts = range(0, make_window(self.config).max_start + 1)  # the window starts the rollout draws from
             self._normalizers[key] = schedule_normalizer(s, sigmas.detach().float().cpu(), starts)
         return self._normalizers[key]
 

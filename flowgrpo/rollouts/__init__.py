@@ -9,6 +9,7 @@ with :func:`register_rollout` on a :class:`RolloutStrategy` subclass (see :mod:`
 itself (SDE/ODE steps, window, prefix) is :mod:`flowgrpo.rollout`.
 """
 
+from ..rollout import make_window
 from . import branch, chain, dense, iso, merged, offline, tree  # noqa: F401  (register the built-in strategies)
 from .base import (
     ROLLOUTS,
@@ -21,7 +22,6 @@ from .base import (
     rollout_sections,
     validate_rollout,
 )
-from .chain import make_window
 
 __all__ = [
     "ROLLOUTS",

@@ -13,36 +13,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from samplers import NoWindow, SlidingWindow
-
-from ..rollout import StepObserver, Trajectory, rollout
+from ..rollout import StepObserver, Trajectory, make_window, rollout
 from .base import Collected, RolloutStrategy, register_rollout
 
 if TYPE_CHECKING:
-    from ..config import Config
     from ..data import EpochSample
     from .base import RolloutContext
-
-
-def make_window(config: Config, stochastic: bool = True) -> SlidingWindow | NoWindow:
-    """The sampler's window of SDE steps (trained ones, for a per-step objective); :class:`NoWindow` when the rollout
-    has none (``stochastic`` False: an objective on the final samples under the ODE)."""
-    if not stochastic:
-        return NoWindow()
-    w = config.sampler.window
-    return SlidingWindow(
-        config.sampler.num_steps,
-        w.size,
-        strategy=w.strategy,
-        shift_interval=w.shift_interval,
-        stride=w.stride,
-        roll_back=w.roll_back,
-        seed=config.run.seed,
-        max_start=w.max_start,
-        decay_rate=w.decay_rate,
-        decay_threshold=w.decay_threshold,
-        end_margin=w.end_margin,
-    )
 
 
 @register_rollout("chain")

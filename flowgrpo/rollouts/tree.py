@@ -87,9 +87,8 @@ from samplers import get_sde_step, ode_step, sde_step
 from ..checks import ConfigError
 from ..data import EpochSample, epoch_plan, rank_slice
 from ..objectives import get_objective
-from ..rollout import Trajectory, _embeds_and_noise, _final_fields, _step_kwargs, _velocity_fn
+from ..rollout import Trajectory, _embeds_and_noise, _final_fields, _step_kwargs, _velocity_fn, make_window
 from .base import Collected, RolloutStrategy, register_rollout
-from .chain import make_window
 
 if TYPE_CHECKING:
     from ..adapters import PipelineAdapter
