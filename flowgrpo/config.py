@@ -211,6 +211,10 @@ class SamplerConfig:
     time_shift: float | None = None  # null: pipeline's schedule (as pipe() and eval); s: MixGRPO/DanceGRPO FLUX (3)
     last_step: str = "ode"  # ode | sde: untrained final step with noise too (Flow-GRPO train_sd3/flux.py; others ode)
     log_prob: str = "exact"  # exact (Gaussian density) | squared_error (cps only: Flow-GRPO(-Fast)'s -(x'-mean)²)
+    antithetic: bool = False  # mirrored window noise: a group's images of a rollout batch pair up (1st-2nd, 3rd-4th,
+    #                           ...) and a pair's second takes minus its first's noise at every window step (antithetic
+    #                           variates); with same_initial_noise a pair's first steps are mirror images, so the
+    #                           per-step policy gradient of a pair whose rewards tie cancels. chain / dense rollouts
 
     def __post_init__(self) -> None:
         _add_plugin_sections(self)  # sampler.<rollout>: the registered strategies' settings
@@ -618,6 +622,23 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
             f"sampler.branch.* places the branch rollout's branch points and does nothing with sampler.rollout="
             f"{s.rollout}; set sampler.rollout: branch, or remove sampler.branch"
         )
+    if not isinstance(s.antithetic, bool):
+        raise ConfigError(f"sampler.antithetic must be true or false, got {s.antithetic!r}")
+    if s.antithetic and s.rollout not in ("chain", "dense"):
+        raise ConfigError(
+            f"sampler.antithetic=true pairs the window noise of the chain rollout's images, but sampler.rollout="
+            f"{s.rollout} draws its own; set sampler.rollout: chain (or dense), or sampler.antithetic: false"
+        )
+    if s.antithetic and s.batch_size % 2:
+        raise ConfigError(
+            f"sampler.antithetic=true samples a group's images in pairs within a rollout batch, but sampler.batch_size="
+            f"{s.batch_size} is odd; set an even sampler.batch_size"
+        )
+    if s.antithetic and s.noise_level == 0:
+        raise ConfigError(
+            "sampler.antithetic=true mirrors the SDE noise, but sampler.noise_level=0 samples the ODE (no noise); set "
+            "a sampler.noise_level > 0, or sampler.antithetic: false"
+        )
     if s.last_step == "sde" and s.post_window.solver != "euler":
         raise ConfigError(
             f"sampler.last_step=sde replaces the final step by an SDE step, but sampler.post_window.solver="
@@ -657,6 +678,11 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
     # Sampler options that reproduce published recipes: time_shift, last_step, log_prob, window.per_batch /
     # end_margin, post_window.carry_history (choices, ranges and the combinations they need).
     _check_recipe_sampler(s)
+    if s.antithetic and g.group_size % 2:
+        raise ConfigError(
+            f"sampler.antithetic=true samples a group's images in pairs, but grpo.group_size={g.group_size} is odd; "
+            "set an even grpo.group_size"
+        )
     one_of("grpo.advantage.estimator", g.advantage.estimator, available_advantage_estimators())
     one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
     check_kl(config)  # grpo.kl.gate, grpo.kl.reset_every (GARDO)

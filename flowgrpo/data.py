@@ -385,12 +385,16 @@ class EpochSample:
     group_id: int
 
 
-def epoch_plan(num_prompts: int, group_size: int, groups_per_epoch: int, *, seed: int, epoch: int) -> list[EpochSample]:
+def epoch_plan(
+    num_prompts: int, group_size: int, groups_per_epoch: int, *, seed: int, epoch: int, pairs: bool = False
+) -> list[EpochSample]:
     """All ``group_size × groups_per_epoch`` slots of an epoch, shuffled; deterministic in (seed, epoch).
 
     Group ids are ``epoch × groups_per_epoch + g``, unique across epochs. Prompts are drawn without
     replacement while the file has enough (with replacement otherwise); copies of a prompt land anywhere
     in the shuffled list, so a group may span processes — advantages are computed after gathering.
+    ``pairs`` (``sampler.antithetic``; an even ``group_size``): the shuffle moves two copies of a prompt at a time, so
+    each lands at an even position beside its partner (the same prompts are drawn).
     """
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     if num_prompts >= groups_per_epoch:
@@ -399,6 +403,11 @@ def epoch_plan(num_prompts: int, group_size: int, groups_per_epoch: int, *, seed
         chosen = torch.randint(0, num_prompts, (groups_per_epoch,), generator=generator)
     first_id = epoch * groups_per_epoch
     slots = [EpochSample(int(chosen[g]), first_id + g) for g in range(groups_per_epoch) for _ in range(group_size)]
+    if pairs:
+        if group_size % 2:
+            raise ValueError(f"pairs need an even group_size, got {group_size}")
+        order = torch.randperm(len(slots) // 2, generator=generator)
+        return [slots[2 * i + k] for i in order.tolist() for k in (0, 1)]
     order = torch.randperm(len(slots), generator=generator)
     return [slots[i] for i in order.tolist()]
 

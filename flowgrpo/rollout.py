@@ -21,6 +21,7 @@ from samplers import (
     SlidingWindow,
     Transition,
     compress_schedule,
+    draw_noise,
     get_sde_step,
     get_solver,
     mixgrpo_tail_schedule,
@@ -309,10 +310,12 @@ def rollout(
     sde = functools.partial(sde_step, sampler.kind, reduce=log_prob_reduce, **sde_options, **_step_kwargs(sampler))
     rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None) if plan.share_prefix else None
     prefix_velocity = velocity_fn if rows is None else _velocity_fn(adapter, embeds.select(rows[0]), sampler, gs)
+    mirror = antithetic_partners(group_ids) if getattr(sampler, "antithetic", False) else None
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
         at = _observed(plan, velocity_fn, observe)
-        x, history, stored = _window(plan, at, sde, x, history, bar, store_means, keep_transitions)  # SDE
+        noise = functools.partial(_window_noise, generator=generator, mirror=mirror)
+        x, history, stored = _window(plan, at, sde, x, history, bar, store_means, keep_transitions, noise)  # SDE
         x = _tail(plan, at, sde, x, history, bar)  # the post-window solver; the final SDE step
 
     before, after, log_probs, stds, means = stored
@@ -449,15 +452,17 @@ def _window(
     bar: tqdm,
     store_means: bool = False,
     keep: bool = True,
+    noise: Callable[[Tensor], Tensor | None] = lambda x: None,
 ) -> tuple[Tensor, SolverHistory, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]]:
     """The SDE steps of the window; returns the latents, the history and the stored ``(before, after, log_probs,
     stds, means)``, one entry per step (std: ``[B]``, from one per step ``[]`` or per sample ``[B, 1, ...]``; means:
-    float32 ``[B, *latent]``, only with ``store_means``, else no entry); with ``keep=False`` every list is empty."""
+    float32 ``[B, *latent]``, only with ``store_means``, else no entry); with ``keep=False`` every list is empty.
+    ``noise(x)``: each step's ``z`` (None: the step draws its own)."""
     before, after, log_probs, stds, means = [], [], [], [], []
     for i in plan.window:
         t, t_next, v = at(x, i)
         history = _record(plan, x, t, v, history)
-        step = sde(v, x, t, t_next)
+        step = sde(v, x, t, t_next, noise=noise(x))
         if keep:
             before.append(x)
             after.append(step.sample)
@@ -469,6 +474,32 @@ def _window(
         x = step.sample
         bar.update()
     return x, history, (before, after, log_probs, stds, means)
+
+
+def antithetic_partners(group_ids: Tensor) -> Tensor:
+    """``sampler.antithetic``'s pairs: each group's rows, in batch order, pair up first with second, third with
+    fourth, ...; returns ``[B]`` long, the row of its pair's first for the second of each pair and -1 for every other
+    row (a pair's first, a group's odd last row). Pure."""
+    mirror = torch.full((len(group_ids),), -1, dtype=torch.long)
+    waiting: dict[int, int] = {}  # group id -> the row of an open pair's first
+    for row, gid in enumerate(group_ids.tolist()):
+        first = waiting.pop(gid, None)
+        if first is None:
+            waiting[gid] = row
+        else:
+            mirror[row] = first
+    return mirror
+
+
+def _window_noise(x: Tensor, *, generator: torch.Generator | None, mirror: Tensor | None) -> Tensor | None:
+    """A window step's ``z``: None (the step draws it) without ``mirror``; else ``z ~ N(0, I)`` drawn as the step
+    would draw it (so every other row is sampled exactly as without pairs), each pair's second row taking ``-z`` of
+    its first (antithetic variates: the pair's two steps are mirror images about the same kind of mean)."""
+    if mirror is None:
+        return None
+    z = draw_noise(x, None, generator)
+    second = (mirror >= 0).to(z.device)
+    return torch.where(second.view(-1, *[1] * (z.ndim - 1)), -z[mirror.clamp(min=0).to(z.device)], z)
 
 
 def _tail(plan: RolloutPlan, at: StepVelocity, sde: StepFn, x: Tensor, history: SolverHistory, bar: tqdm) -> Tensor:

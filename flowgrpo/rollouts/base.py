@@ -70,9 +70,9 @@ class RolloutContext:
     def epoch_slots(self, epoch: int) -> list[EpochSample]:
         """This process's (prompt, group) slots of the epoch: ``grpo.groups_per_epoch`` prompts drawn from
         ``(run.seed, epoch)``, ``grpo.group_size`` images each, dealt over processes (in whole groups when the
-        objective compares a group's images)."""
-        g = self.config.grpo
-        plan = epoch_plan(len(self.data), g.group_size, g.groups_per_epoch, seed=self.config.run.seed, epoch=epoch)
+        objective compares a group's images); with ``sampler.antithetic``, a group's images two by two side by side."""
+        g, seed, pairs = self.config.grpo, self.config.run.seed, self.config.sampler.antithetic
+        plan = epoch_plan(len(self.data), g.group_size, g.groups_per_epoch, seed=seed, epoch=epoch, pairs=pairs)
         deal = rank_groups if self.objective.needs_whole_groups(self.config) else rank_slice
         return deal(plan, self.rank, self.num_processes)
 
