@@ -1,4 +1,5 @@
-"""Config checks every module may use: the error type, the choice / range / frame-count checks, image sizes.
+"""Checks every module may use: the error types (a bad config, bad data), the choice / range / frame-count checks,
+image sizes.
 
 A leaf module (it imports nothing of flowgrpo), so objectives, advantage estimators and adapters validate their own
 settings without importing :mod:`flowgrpo.config`, which imports their registries.
@@ -12,6 +13,10 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A bad configuration: the message says which key, what was given, and what to do."""
+
+
+class DataError(ValueError):
+    """A missing, empty or malformed prompt file, or a source image that cannot be used."""
 
 
 def check_range(

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .adapters import PipelineAdapter, build_adapter, family, family_options, unwrap
+from .adapters import PipelineAdapter, family, unwrap
 from .checkpoint import (
     CheckpointError,
     Shapes,
@@ -32,7 +32,7 @@ from .checkpoint import (
     read_weights,
 )
 from .config import Config, load_config
-from .pipelines import detect_kind, load_pipeline, resolve_source, tiny_sources
+from .pipelines import build_adapter, detect_kind, family_options, load_pipeline, resolve_source, tiny_sources
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

@@ -11,6 +11,9 @@ read from the ``_class_name`` of its ``model_index.json``. The special names ``"
 ``"tiny-<kind>-taesd"``, see :func:`tiny_sources`) and ``"shapes-sd3"`` win over a local directory of the same name.
 A component that ``model_index.json`` lists as ``[null, null]`` (an SD3 saved without T5) loads as ``None``.
 Every ``torch.nn.Module`` component comes back in eval mode (training code turns on what it trains).
+
+:func:`build_adapter` loads a model config's pipeline and sets its family's adapter up for training (LoRA, attention,
+checkpointing, the size check).
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from flowgrpo.adapters.registry import available_families, families, family, family_of_class_name, family_of_pipeline
+from flowgrpo.adapters import PipelineAdapter, make_adapter
+from flowgrpo.adapters.registry import (
+    FAMILY_OPTIONS,
+    available_families,
+    families,
+    family,
+    family_of_class_name,
+    family_of_pipeline,
+)
+from flowgrpo.checks import ConfigError
 from flowgrpo.tiny import build_tiny_pipeline
 
 PipelineKind = str  # a registered family name (flowgrpo.adapters.registry.available_families())
@@ -205,6 +217,35 @@ def load_pipeline(
         if isinstance(component, torch.nn.Module):
             component.eval()
     return pipe
+
+
+def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> PipelineAdapter:
+    """Load ``model.pretrained`` (a ``ModelConfig``) and set it up: LoRA, attention, checkpointing, size check."""
+    pipe = load_pipeline(model.pretrained, kind=model.kind, dtype=dtype or model.dtype, device=device)
+    if model.vae_fp32:
+        pipe.vae.to(torch.float32)
+    options = {} if model.max_sequence_length is None else {"max_sequence_length": model.max_sequence_length}
+    if model.num_frames is not None:  # video families; make_adapter refuses it for an image pipeline
+        options["num_frames"] = model.num_frames
+    options.update(family_options(model))  # make_adapter refuses them for the other families
+    adapter = make_adapter(pipe, negative_prompt=model.negative_prompt, **options)
+    try:
+        adapter.check_size(*model.size)  # (height, width)
+    except ValueError as err:  # the family's own multiple (16 is checked with the config): name the keys set
+        raise ConfigError(f"{model.size_keys}: {err}") from None
+    adapter.set_attention_backend(model.attention)
+    lora = model.lora
+    adapter.add_lora(lora.rank, lora.alpha, lora.target_modules, lora.init, lora.dropout)
+    if model.gradient_checkpointing:
+        adapter.enable_gradient_checkpointing()
+    return adapter
+
+
+def family_options(model: Any) -> dict[str, Any]:
+    """The families' own options (``FAMILY_OPTIONS``) that ``model`` (a ``ModelConfig``) sets to other than their
+    defaults: the adapter's keyword options."""
+    defaults = type(model)()
+    return {k: getattr(model, k) for k in FAMILY_OPTIONS if getattr(model, k) != getattr(defaults, k)}
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 from rewards import AsyncReward, FrameReward, apply_nan_policy, build_reward
 from rewards.base import accepts_source_images
 
-from .adapters import build_adapter
 from .advantages import AdvantageInputs, advantage_extras, compute_advantages
 from .checkpoint import (
     CheckpointParts,
@@ -56,6 +55,7 @@ from .objectives.reference import KLReference, check_sharded
 from .optim import make_lr_factor, make_optimizer
 from .parallel import any_process, check_launch, cpu_launch_kwargs, full_tensor, is_deepspeed, is_fsdp
 from .phases import PhaseTimer
+from .pipelines import build_adapter
 from .report import write_before_after, write_curves
 from .rollout import Trajectory
 from .rollouts import RolloutContext, get_rollout

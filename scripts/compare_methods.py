@@ -398,10 +398,10 @@ def _evaluate(config, checkpoint: Path | None, samples: int, ema: bool | None = 
     import diffusers
     import torch
 
-    from flowgrpo.adapters import build_adapter
     from flowgrpo.data import PromptDataset
     from flowgrpo.evaluation import evaluate
     from flowgrpo.export import adapter_from_checkpoint
+    from flowgrpo.pipelines import build_adapter
     from rewards import build_reward
 
     torch.set_num_threads(1)

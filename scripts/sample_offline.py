@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from flowgrpo.adapters import build_adapter
     from flowgrpo.config import load_config
     from flowgrpo.data import PromptDataset
     from flowgrpo.offline import INFO, build_store
+    from flowgrpo.pipelines import build_adapter
     from rewards import RewardError, build_reward
     from rewards.base import accepts_source_images
 

@@ -53,7 +53,7 @@ def _config(tmp_path: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def adapter():
-    from flowgrpo.adapters import build_adapter
+    from flowgrpo.pipelines import build_adapter
 
     return build_adapter(load_config(TINY).model)
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo.adapters import build_adapter
 from flowgrpo.checks import ConfigError
 from flowgrpo.config import load_config
 from flowgrpo.memory import check_memory, device_available, estimate, geometry, host_available
+from flowgrpo.pipelines import build_adapter
 from flowgrpo.trainer import GRPOTrainer
 from rewards import AsyncReward
 

@@ -123,8 +123,8 @@ def test_sources_are_sized_to_the_pipelines_area_whatever_the_output_size():
     """QwenImageEditPipeline sizes the source (for its text encoder and its VAE alike) to calculate_dimensions(1024²,
     ratio), and so does Flow-GRPO since "fix qwen image edit resolution": the adapter's default, refused if too small
     for the ratio, and model.source_area reaches the adapter only for qwenimage-edit."""
-    from flowgrpo.adapters import build_adapter
     from flowgrpo.checks import ConfigError
+    from flowgrpo.pipelines import build_adapter
 
     adapter = make_adapter(build_tiny_pipeline("qwenimage-edit"))
     for height, width in ((32, 32), (32, 48), (48, 32), (512, 512), (512, 768)):

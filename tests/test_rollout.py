@@ -294,8 +294,8 @@ def test_transposed_sizes_keep_their_own_token_positions(family):
 
 
 def test_bf16_weights_fp32_vae_and_exact_rescoring():
-    from flowgrpo.adapters import build_adapter
     from flowgrpo.config import ModelConfig
+    from flowgrpo.pipelines import build_adapter
 
     adapter = build_adapter(ModelConfig(pretrained="tiny-sd3", dtype="bf16", vae_fp32=True, resolution=32))
     assert adapter.dtype == torch.bfloat16 and adapter.vae.dtype == torch.float32
@@ -346,7 +346,7 @@ def test_flux_true_cfg_reproduces_pipe_and_rescores_exactly(family):
 def test_true_cfg_is_refused_where_it_cannot_work():
     """True CFG without a negative prompt (FluxPipeline would silently skip it), below 1, on a family without it
     (SD3 / Qwen-Image guide by sampler.guidance_scale), or with a forward-process fit of the unguided velocity."""
-    from flowgrpo.adapters import build_adapter
+    from flowgrpo.pipelines import build_adapter
 
     kontext = "configs/tiny_flux_kontext.yaml"
     with pytest.raises(ConfigError, match="model.true_cfg_scale=3.0 guides away from a negative prompt, but model.neg"):

@@ -205,7 +205,7 @@ def test_a_saved_config_names_only_the_active_objectives_section(tmp_path):
 def test_per_step_advantages_reach_the_clipped_loss_at_each_samples_position():
     """[B, W] advantages equal to A in every column give the [B] loss; a column changed at a position not trained
     changes nothing, at the trained one it changes the loss."""
-    from flowgrpo.adapters import build_adapter
+    from flowgrpo.pipelines import build_adapter
     from flowgrpo.rollout import rollout
 
     config = load_config(TINY, ["model.resolution=32", "grpo.clip_range=0.2"])

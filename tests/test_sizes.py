@@ -21,12 +21,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 from rollout_helper import rollout_context
 
-from flowgrpo.adapters import build_adapter, families
+from flowgrpo.adapters import families
 from flowgrpo.adapters.registry import families_with_option
 from flowgrpo.config import ConfigError, ModelConfig, load_config
 from flowgrpo.data import PromptDataset, open_image
 from flowgrpo.memory import check_memory, geometry
 from flowgrpo.offline import INFO, SAMPLES, build_store, check_store, write_store
+from flowgrpo.pipelines import build_adapter
 from flowgrpo.rollouts import get_rollout
 from flowgrpo.trainer import GRPOTrainer
 

@@ -223,8 +223,8 @@ def test_the_tempflow_loss_weights_each_samples_policy_term(adapter):
 
 def test_the_kl_term_is_not_weighted():
     """β·KL is added as the clipped objective adds it (LoRA adapter: the adapter-disabled model differs)."""
-    from flowgrpo.adapters import build_adapter
     from flowgrpo.objectives.clipped import Clipped
+    from flowgrpo.pipelines import build_adapter
 
     config = load_config(TINY, [*BRANCH_OVERRIDES, "grpo.kl.beta=0.5", "grpo.kl.convention=exact"])
     lora = build_adapter(config.model)

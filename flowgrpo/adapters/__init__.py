@@ -2,7 +2,8 @@
 
 Each module here that defines a family registers its :class:`~flowgrpo.adapters.registry.FamilySpec` at its bottom;
 importing this package imports every module in it, so a new family is one new file (nothing else is edited).
-:func:`make_adapter` picks the adapter by the pipeline's exact class.
+:func:`make_adapter` picks the adapter by the pipeline's exact class; :func:`flowgrpo.pipelines.build_adapter` loads a
+model config's pipeline and sets its adapter up for training.
 """
 
 from __future__ import annotations
@@ -11,16 +12,12 @@ import importlib
 import pkgutil
 from typing import Any
 
-import torch
-
-from ..checks import ConfigError
 from .base import PipelineAdapter, PromptEmbeds, unwrap
 from .flux import FluxAdapter
 from .kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter
 from .registry import (
-    FAMILY_OPTIONS,
     FamilySpec,
     adapter_options,
     available_families,
@@ -43,37 +40,6 @@ def __getattr__(name: str) -> Any:
     if name == "ADAPTERS":  # family name -> adapter class, derived from the registry on each access
         return {spec.name: spec.adapter for spec in families()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def build_adapter(model: Any, device: Any = "cpu", dtype: str | None = None) -> PipelineAdapter:
-    """Load ``model.pretrained`` (a ``ModelConfig``) and set it up: LoRA, attention, checkpointing, size check."""
-    from ..pipelines import load_pipeline
-
-    pipe = load_pipeline(model.pretrained, kind=model.kind, dtype=dtype or model.dtype, device=device)
-    if model.vae_fp32:
-        pipe.vae.to(torch.float32)
-    options = {} if model.max_sequence_length is None else {"max_sequence_length": model.max_sequence_length}
-    if model.num_frames is not None:  # video families; make_adapter refuses it for an image pipeline
-        options["num_frames"] = model.num_frames
-    options.update(family_options(model))  # make_adapter refuses them for the other families
-    adapter = make_adapter(pipe, negative_prompt=model.negative_prompt, **options)
-    try:
-        adapter.check_size(*model.size)  # (height, width)
-    except ValueError as err:  # the family's own multiple (16 is checked with the config): name the keys set
-        raise ConfigError(f"{model.size_keys}: {err}") from None
-    adapter.set_attention_backend(model.attention)
-    lora = model.lora
-    adapter.add_lora(lora.rank, lora.alpha, lora.target_modules, lora.init, lora.dropout)
-    if model.gradient_checkpointing:
-        adapter.enable_gradient_checkpointing()
-    return adapter
-
-
-def family_options(model: Any) -> dict[str, Any]:
-    """The families' own options (``FAMILY_OPTIONS``) that ``model`` (a ``ModelConfig``) sets to other than their
-    defaults: the adapter's keyword options."""
-    defaults = type(model)()
-    return {k: getattr(model, k) for k in FAMILY_OPTIONS if getattr(model, k) != getattr(defaults, k)}
 
 
 def make_adapter(pipe: Any, **kwargs: Any) -> PipelineAdapter:
@@ -109,9 +75,7 @@ __all__ = [
     "SD3Adapter",
     "WanAdapter",
     "available_families",
-    "build_adapter",
     "family",
-    "family_options",
     "family_of_pipeline",
     "make_adapter",
     "register_family",

@@ -281,7 +281,7 @@ class PipelineAdapter:
         """``(images [B, 3, h, w] in [0, 1] on the CPU, latents [B, S, C])`` of each prompt's source image. Each
         unique image is loaded and encoded once per size, in one batch, and cached until :meth:`clear_prompt_cache`
         (like the prompts)."""
-        from ..data import image_key, open_image
+        from ..images import image_key, open_image
 
         if not self.edits:
             raise ValueError(

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from ..images import image_key, open_image
 from .base import PromptEmbeds, image_size_rows
 from .qwenimage import QwenImageAdapter, _pad_rows
 from .registry import FamilySpec, register_family
@@ -117,7 +118,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
         ``source_latents`` / ``source_images`` (:meth:`PipelineAdapter.encode_sources`; with several sources per
         prompt, Edit-Plus, a row's latents one source after another along the sequence and its first source's image).
         Rows are zero-padded to the batch's longest, with masks."""
-        from ..data import image_key
 
         prompts = list(prompts)
         if sources is None:
@@ -179,7 +179,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def _encode_pairs(self, pairs: list[tuple[str, tuple[Any, ...]]], height: int, width: int) -> list[Tensor]:
         """The text encoder's ``[L, D]`` embedding of each (text, sources) pair, unpadded: one batched
         ``pipe.encode_prompt`` with each pair's source at :meth:`source_size`, as ``pipe()`` reads it."""
-        from ..data import open_image
 
         self.text_encoder_calls += 1
         shown = [self._source_image(open_image(group[0]), height, width) for _, group in pairs]

@@ -87,7 +87,7 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
 
     def _encode_pairs(self, pairs: list[tuple[str, tuple[Any, ...]]], height: int, width: int) -> list[Tensor]:
         """One ``pipe.encode_prompt(prompt=[text], image=[picture, ...])`` per pair: ``pipe()``'s own call."""
-        from ..data import open_image
+        from ..images import open_image
 
         out = []
         for text, group in pairs:

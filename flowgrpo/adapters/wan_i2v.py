@@ -133,7 +133,7 @@ class WanImageToVideoAdapter(WanAdapter):
     def _clip_embeds(self, sources: Sequence[Any], images: Tensor) -> Tensor:
         """``[B, N, D]``: ``pipe.encode_image`` of each source as the VAE saw it (the H x W image, rebuilt exactly
         from its 8-bit pixels), each unique one once."""
-        from ..data import image_key
+        from ..images import image_key
 
         height, width = images.shape[-2:]
         keys = [(image_key(s), height, width) for s in sources]

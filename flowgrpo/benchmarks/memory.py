@@ -87,9 +87,9 @@ def _peak_mib() -> float:
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """Run one case in this process; its memory figures."""
-    from flowgrpo.adapters import build_adapter
     from flowgrpo.benchmarks.common import bench_config
     from flowgrpo.objectives.clipped import timestep_loss
+    from flowgrpo.pipelines import build_adapter
     from flowgrpo.rollout import rollout
 
     a = case["args"]

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from flowgrpo.adapters import build_adapter
 from flowgrpo.benchmarks.common import (
     bench_config,
     finish,
@@ -35,6 +34,7 @@ from flowgrpo.benchmarks.common import (
     verdict,
 )
 from flowgrpo.objectives.clipped import timestep_loss
+from flowgrpo.pipelines import build_adapter
 from flowgrpo.rollout import rollout
 
 BASE = {"batch": 4, "steps": 6, "size": 64}

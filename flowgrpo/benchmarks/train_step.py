@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from flowgrpo.adapters import build_adapter
 from flowgrpo.benchmarks.common import (
     bench_config,
     finish,
@@ -37,6 +36,7 @@ from flowgrpo.benchmarks.common import (
 )
 from flowgrpo.config import Config
 from flowgrpo.objectives.clipped import timestep_loss
+from flowgrpo.pipelines import build_adapter
 from flowgrpo.rollout import Trajectory, rollout
 
 VARIANTS = {  # name -> model overrides (on fp32 eager)
