@@ -292,7 +292,9 @@ def rollout(
     uses (the forward the rollout makes anyway); it must not modify them. ``store_means``: keep each window step's
     mean in ``Trajectory.means`` (float32, as the step computes it; otherwise None). ``keep_transitions=False``:
     the window's steps still use the SDE but nothing of them is kept (the trajectory has no trained steps), for
-    objectives that train the final samples only. The parts of the schedule: :class:`RolloutPlan`."""
+    objectives that train the final samples only. ``sampler.antithetic``: the window's noise in mirrored pairs
+    (:func:`antithetic_partners`; the untrained final SDE step draws its own). The parts of the schedule:
+    :class:`RolloutPlan`."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt, got an empty list")

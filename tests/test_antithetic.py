@@ -27,16 +27,17 @@ def test_pairs_form_within_each_group_in_batch_order_and_an_odd_last_row_stays_a
     assert antithetic_partners(torch.tensor([5])).tolist() == [-1]
 
 
-def _rollout(adapter, antithetic: bool, seed: int = 7):
-    sampler = helper.sampler(antithetic=antithetic)
+def _rollout(adapter, antithetic: bool, seed: int = 7, kind: str = "euler_maruyama"):
+    sampler = helper.sampler(antithetic=antithetic, kind=kind)
     generator = torch.Generator().manual_seed(seed)
     size = {"height": helper.SIZE, "width": helper.SIZE}
     return rollout(adapter, PROMPTS, GROUPS, sampler, WINDOW, generator, decode=False, store_means=True, **size)
 
 
-def test_mirrored_rollout_samples_each_pairs_first_as_without_pairs_and_its_second_with_minus_its_noise():
+@pytest.mark.parametrize("kind", ["euler_maruyama", "cps", "langevin"])
+def test_mirrored_rollout_samples_each_pairs_first_as_without_pairs_and_its_second_with_minus_its_noise(kind):
     adapter = helper.adapter()
-    plain, mirrored = _rollout(adapter, False), _rollout(adapter, True)
+    plain, mirrored = _rollout(adapter, False, kind=kind), _rollout(adapter, True, kind=kind)
     firsts, seconds = [0, 2, 4, 6], [1, 3, 5, 7]
     for field in helper.STORED + ("means",):
         got, want = getattr(mirrored, field)[firsts], getattr(plain, field)[firsts]
@@ -94,15 +95,31 @@ def test_the_epoch_plan_moves_a_groups_copies_two_by_two_keeping_the_prompts():
         epoch_plan(10, 3, 6, seed=3, epoch=2, pairs=True)
 
 
+def _mirrored_noise(trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each window step's ``z`` of every pair's first and second rows, batch by batch (``x' = mean + std · z``)."""
+    std = trajectory.stds.view(*trajectory.stds.shape, *[1] * (trajectory.latents.ndim - 2))
+    z = (trajectory.next_latents.float() - trajectory.means) / std
+    mirror = antithetic_partners(trajectory.group_ids)  # pairs are within batches: ids are unique per epoch
+    seconds = (mirror >= 0).nonzero().flatten()
+    return z[mirror[seconds]], z[seconds]
+
+
+@pytest.mark.parametrize("rollout_kind", ["chain", "dense"])
 @pytest.mark.parametrize("processes", [1, 2])
-def test_the_chain_rollout_samples_every_image_of_every_batch_in_a_mirrored_pair(processes):
-    config = load_config(helper.TINY, ["run.progress=false", *MAIN_JOB])
+def test_the_rollout_strategies_sample_every_image_in_a_mirrored_pair(processes, rollout_kind):
+    # guard keeps each transition's sampling mean, so the noise of every stored step can be read back
+    overrides = [*MAIN_JOB, f"sampler.rollout={rollout_kind}", "grpo.objective=guard", "grpo.clip_range=0.2"]
+    config = load_config(helper.TINY, ["run.progress=false", *overrides])
     adapter = helper.adapter()
     for rank in range(processes):
-        context = helper.rollout_context(config, adapter, seed=3, rank=rank, processes=processes)
-        group_ids = get_rollout("chain")(context).collect(0).trajectory.group_ids
-        for batch in group_ids.split(config.sampler.batch_size):
+        score = lambda images, *_: {"total": images.float().mean(dim=(1, 2, 3))}  # noqa: E731  (dense: stage rewards)
+        context = helper.rollout_context(config, adapter, seed=3, rank=rank, processes=processes, score=score)
+        trajectory = get_rollout(rollout_kind)(context).collect(0).trajectory
+        for batch in trajectory.group_ids.split(config.sampler.batch_size):
             assert antithetic_partners(batch).tolist() == [-1, 0, -1, 2]  # two pairs in every batch of 4
+        first, second = _mirrored_noise(trajectory)
+        assert len(second) == len(trajectory) // 2 and first.abs().mean() > 0.5
+        torch.testing.assert_close(second, -first, rtol=1e-4, atol=1e-4)
 
 
 def test_the_clipped_loss_trains_an_epoch_on_mirrored_rollouts(tmp_path):
