@@ -217,7 +217,12 @@ class GRPOTrainer:
         acc.project_configuration.project_dir = acc.project_configuration.logging_dir = str(self.run_dir)
         # A resume tells TensorBoard to drop the earlier attempt's points from the resumed epoch on (as metrics.jsonl).
         purge = {"tensorboard": {"purge_step": self.state.epoch}} if resume is not None else {}
-        acc.init_trackers(config.run.name, config=_flat(config.to_dict()), init_kwargs=purge)
+        try:
+            acc.init_trackers(config.run.name, config=_flat(config.to_dict()), init_kwargs=purge)
+        except BaseException:  # a tracker that cannot start (a login, a server): no run directory left behind
+            if self.run_lock is not None:
+                self.run_lock.abandon()
+            raise
 
     # ------------------------------------------------------------------ setup helpers
     def _make_run_dir(self, run_dir: Path | None) -> Path:

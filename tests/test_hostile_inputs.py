@@ -127,6 +127,19 @@ def test_a_tracker_that_is_not_installed_is_refused_before_the_run_directory(cap
         assert load_config(TINY, ["run.trackers=[wandb]"], training=training).run.trackers == ["wandb"]
 
 
+def test_a_tracker_that_fails_to_start_leaves_no_run_directory(tmp_path, monkeypatch):
+    import accelerate
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("wandb: not logged in")
+
+    monkeypatch.setattr(accelerate.Accelerator, "init_trackers", fail)
+    runs = tmp_path / "runs"
+    with pytest.raises(RuntimeError, match="not logged in"):
+        GRPOTrainer(load_config(TINY, [f"run.output_dir={runs}", "run.progress=false"]))
+    assert not runs.exists() or not any(runs.iterdir())
+
+
 @pytest.mark.parametrize("name, why", [("not_utf8.yaml", "UTF-8"), ("a_directory", "is a directory")])
 def test_bad_config_files_exit_2_naming_the_file(capsys, inputs, tmp_path, name, why):
     _refused(capsys, "train", "--config", inputs / name, f"run.output_dir={tmp_path / 'runs'}", names=(name, why))
