@@ -13,7 +13,8 @@ that spent the budget (the preset's ``run.epochs`` is lifted so that the budget,
 preset whose lr schedule runs over ``run.epochs`` is therefore refused: ``train.lr_schedule_steps`` gives a schedule
 a length of its own). The shipped model is evaluated under each seed's noise too, and a gain is the trained model's
 accuracy minus the base model's under the same seed. Runs already finished under ``--work`` are reused (delete the
-folder to redo them).
+folder to redo them); one trained with other settings (the preset file's contents, an override, the budget: recorded
+in its ``settings.json``) is refused before anything trains.
 
 ``--processes N`` (N > 1) launches each training as N processes of one thread under DDP (``accelerate launch
 --multi_gpu``, which on a machine without GPUs runs torchrun and the trainer on the CPU with gloo), to measure a
@@ -303,6 +304,15 @@ def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: s
     an EMA) and returns the base's summaries by seed, or None (said on stderr) when a run failed."""
     work = Path(args.work)
     todo = [r for r in runs if _final_checkpoint(r.folder) is None]
+    stale = [p for r in runs if r not in todo for p in [_stale(r, args.minutes, args.overrides, args.clock)] if p]
+    if stale:
+        shown = "; ".join(stale[:3]) + (f"; and {len(stale) - 3} more" if len(stale) > 3 else "")
+        print(
+            f"error: {len(stale)} finished run(s) under --work were trained with other settings than these: {shown}. "
+            "Delete such a folder to train it again, or give another --work",
+            file=sys.stderr,
+        )
+        return None
     print(f"{len(runs)} runs ({len(runs) - len(todo)} already done), {args.jobs} at a time")
     with POOL(args.jobs) as pool:
         failed = [
@@ -354,12 +364,47 @@ def _final_checkpoint(folder: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+SETTINGS_FILE = "settings.json"  # in a run's folder: what it was trained with, so that a reuse can be checked
+
+
+def _settings(run: Run, minutes: float, overrides: list[str], clock: str) -> dict:
+    """What decides a run's training besides the code: the preset file's contents, every override, the budget."""
+    import hashlib
+
+    return {
+        "preset": run.preset,
+        "preset_sha256": hashlib.sha256(_preset_path(run.preset).read_bytes()).hexdigest(),
+        "overrides": [*run.overrides, *overrides],
+        "seed": run.seed,
+        "minutes": minutes * run.budget,
+        "clock": clock,
+        "processes": run.processes,
+    }
+
+
+def _stale(run: Run, minutes: float, overrides: list[str], clock: str) -> str | None:
+    """Why the finished ``run`` cannot be reused for these settings (its recorded ones differ), or None. A folder
+    trained before the settings were recorded is reused as it is."""
+    file = run.folder / SETTINGS_FILE
+    if not file.is_file():
+        return None
+    recorded, now = json.loads(file.read_text(encoding="utf-8")), _settings(run, minutes, overrides, clock)
+    changed = [
+        "the preset file's contents" if k == "preset_sha256" else f"{k} {recorded.get(k)!r}, now {now[k]!r}"
+        for k in now
+        if recorded.get(k) != now[k]
+    ]
+    return f"{run.folder} ({', '.join(changed)})" if changed else None
+
+
 def _train(run: Run, minutes: float, overrides: list[str], clock: str = "cpu") -> int:
     if run.folder.exists():  # an unfinished attempt: start over
         import shutil
 
         shutil.rmtree(run.folder)
     run.folder.mkdir(parents=True)
+    settings = json.dumps(_settings(run, minutes, overrides, clock), indent=1)
+    (run.folder / SETTINGS_FILE).write_text(settings, encoding="utf-8")
     script = str(ROOT / "scripts" / "train.py")
     if run.processes > 1:  # DDP through accelerate: torchrun on a machine without GPUs, the trainer on gloo
         script_launch = [sys.executable, "-m", "accelerate.commands.launch", *launcher(run.processes), script]

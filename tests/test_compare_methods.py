@@ -176,6 +176,22 @@ def test_a_variant_carries_its_own_overrides_row_and_folder(fake_training, tmp_p
     assert "a variant is preset+key=value" in capsys.readouterr().err
 
 
+def test_a_finished_run_is_reused_only_under_the_settings_it_was_trained_with(fake_training, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "m.md"
+    argv = ["--presets", "shapes", "--seeds", "0", "--minutes", "0.5", "--jobs", "1", "--clock", "wall"]
+    argv += ["--eval-samples", "1", "--work", str(work), "--out", str(out)]
+    assert cm.main([*argv, "train.lr=1e-4"]) == 0 and len(fake_training) == 1
+    folder = work / "shapes-0.5min-wall" / "seed0"
+    assert json.loads((folder / cm.SETTINGS_FILE).read_text())["overrides"] == ["train.lr=1e-4"]
+    assert cm.main([*argv, "train.lr=1e-4"]) == 0 and len(fake_training) == 1  # the same settings: reused
+    assert cm.main([*argv, "train.lr=2e-4"]) == 1 and len(fake_training) == 1  # refused, nothing trained
+    err = " ".join(capsys.readouterr().err.split())
+    assert str(folder) in err and "another --work" in err
+    assert "overrides ['train.lr=1e-4'], now ['train.lr=2e-4']" in err
+    (folder / cm.SETTINGS_FILE).unlink()  # trained before settings were recorded: reused as it is
+    assert cm.main([*argv, "train.lr=2e-4"]) == 0 and len(fake_training) == 1
+
+
 def test_overrides_the_base_evaluation_refuses_are_refused_before_any_run_trains(fake_training, tmp_path, capsys):
     # 192 samples an epoch take batches of 24; the base evaluation loads the first preset (128) with them too.
     argv = ["--presets", "shapes_best+grpo.groups_per_epoch=24", "--seeds", "0", "--work", str(tmp_path / "w")]
