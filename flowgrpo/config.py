@@ -622,23 +622,6 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
             f"sampler.branch.* places the branch rollout's branch points and does nothing with sampler.rollout="
             f"{s.rollout}; set sampler.rollout: branch, or remove sampler.branch"
         )
-    if not isinstance(s.antithetic, bool):
-        raise ConfigError(f"sampler.antithetic must be true or false, got {s.antithetic!r}")
-    if s.antithetic and s.rollout not in ("chain", "dense"):
-        raise ConfigError(
-            f"sampler.antithetic=true pairs the window noise of the chain rollout's images, but sampler.rollout="
-            f"{s.rollout} draws its own; set sampler.rollout: chain (or dense), or sampler.antithetic: false"
-        )
-    if s.antithetic and s.batch_size % 2:
-        raise ConfigError(
-            f"sampler.antithetic=true samples a group's images in pairs within a rollout batch, but sampler.batch_size="
-            f"{s.batch_size} is odd; set an even sampler.batch_size"
-        )
-    if s.antithetic and s.noise_level == 0:
-        raise ConfigError(
-            "sampler.antithetic=true mirrors the SDE noise, but sampler.noise_level=0 samples the ODE (no noise); set "
-            "a sampler.noise_level > 0, or sampler.antithetic: false"
-        )
     if s.last_step == "sde" and s.post_window.solver != "euler":
         raise ConfigError(
             f"sampler.last_step=sde replaces the final step by an SDE step, but sampler.post_window.solver="
@@ -650,6 +633,35 @@ def _check_recipe_sampler(s: SamplerConfig) -> None:
             f"sampler.post_window.carry_history=true seeds the multistep solver's history and does nothing with "
             f"sampler.post_window.solver={s.post_window.solver}; set post_window.solver: dpmpp_2m, or "
             "carry_history: false"
+        )
+
+
+def _check_antithetic(s: SamplerConfig, group_size: int) -> None:
+    """``sampler.antithetic``: mirrored pairs need window noise, a chain of images per image, and even groups and
+    rollout batches (a pair never split)."""
+    if not isinstance(s.antithetic, bool):  # a config built in code skips the loader's type check
+        raise ConfigError(f"sampler.antithetic must be true or false, got {s.antithetic!r}")
+    if not s.antithetic:
+        return
+    if s.rollout not in ("chain", "dense"):
+        raise ConfigError(
+            f"sampler.antithetic=true pairs the window noise of the chain rollout's images, but sampler.rollout="
+            f"{s.rollout} draws its own; set sampler.rollout: chain (or dense), or sampler.antithetic: false"
+        )
+    if s.batch_size % 2:
+        raise ConfigError(
+            f"sampler.antithetic=true samples a group's images in pairs within a rollout batch, but sampler.batch_size="
+            f"{s.batch_size} is odd; set an even sampler.batch_size"
+        )
+    if s.noise_level == 0:
+        raise ConfigError(
+            "sampler.antithetic=true mirrors the SDE noise, but sampler.noise_level=0 samples the ODE (no noise); set "
+            "a sampler.noise_level > 0, or sampler.antithetic: false"
+        )
+    if group_size % 2:
+        raise ConfigError(
+            f"sampler.antithetic=true samples a group's images in pairs, but grpo.group_size={group_size} is odd; "
+            "set an even grpo.group_size"
         )
 
 
@@ -678,11 +690,7 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
     # Sampler options that reproduce published recipes: time_shift, last_step, log_prob, window.per_batch /
     # end_margin, post_window.carry_history (choices, ranges and the combinations they need).
     _check_recipe_sampler(s)
-    if s.antithetic and g.group_size % 2:
-        raise ConfigError(
-            f"sampler.antithetic=true samples a group's images in pairs, but grpo.group_size={g.group_size} is odd; "
-            "set an even grpo.group_size"
-        )
+    _check_antithetic(s, g.group_size)
     one_of("grpo.advantage.estimator", g.advantage.estimator, available_advantage_estimators())
     one_of("grpo.kl.convention", g.kl.convention, KL_CONVENTIONS)
     check_kl(config)  # grpo.kl.gate, grpo.kl.reset_every (GARDO)

@@ -312,7 +312,7 @@ def rollout(
     sde = functools.partial(sde_step, sampler.kind, reduce=log_prob_reduce, **sde_options, **_step_kwargs(sampler))
     rows = _prefix_rows(prompts, group_ids, x, drawn=initial_latents is None) if plan.share_prefix else None
     prefix_velocity = velocity_fn if rows is None else _velocity_fn(adapter, embeds.select(rows[0]), sampler, gs)
-    mirror = antithetic_partners(group_ids) if getattr(sampler, "antithetic", False) else None
+    mirror = antithetic_partners(group_ids) if sampler.antithetic else None
     with tqdm(total=plan.num_steps, desc="sampling", disable=not progress, leave=False) as bar:
         x, history = _prefix(plan, prefix_velocity, x, rows, bar)  # ODE; once per group of the batch when shared
         at = _observed(plan, velocity_fn, observe)

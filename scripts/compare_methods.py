@@ -304,7 +304,8 @@ def train_and_evaluate(runs: list[Run], args: argparse.Namespace, base_preset: s
     an EMA) and returns the base's summaries by seed, or None (said on stderr) when a run failed."""
     work = Path(args.work)
     todo = [r for r in runs if _final_checkpoint(r.folder) is None]
-    stale = [p for r in runs if r not in todo for p in [_stale(r, args.minutes, args.overrides, args.clock)] if p]
+    finished = [r for r in runs if r not in todo]
+    stale = [why for why in (_stale(r, args.minutes, args.overrides, args.clock) for r in finished) if why]
     if stale:
         shown = "; ".join(stale[:3]) + (f"; and {len(stale) - 3} more" if len(stale) > 3 else "")
         print(
