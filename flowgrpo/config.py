@@ -311,10 +311,13 @@ class TrainConfig:
     #                                       null: run.epochs × the steps per epoch. Set it where the epoch count is
     #                                       open (run.max_minutes, scripts/compare_methods.py); a resume on another
     #                                       process count keeps its place only with train.updates_per_epoch set
-    ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9). Stepped after every micro-batch
-    #                   with the optimizer step count s, as Flow-GRPO's EMAModuleWrapper.step
+    ema: float = 0.0  # EMA decay of the adapter weights (0: off; Flow-GRPO 0.9). Stepped (train.ema_stepping) with
+    #                   the optimizer step count s, as Flow-GRPO's EMAModuleWrapper.step
     ema_update_every: int = 1  # the EMA moves only when (s + 1) % this == 0 (Flow-GRPO 8)
     ema_warmup: bool = False  # decay min((1 + s) / (10 + s), ema) (Flow-GRPO); false: ema throughout
+    ema_stepping: str = "micro_batch"  # micro_batch: after every micro-batch (Flow-GRPO) | optimizer_step: once per
+    #                                    optimizer step, after it (DiffusionNFT; a skipped non-finite update moves it
+    #                                    not). The same where a step is one micro-batch and every update is finite
 
 
 @dataclass
@@ -709,6 +712,7 @@ def validate(config: Config, world_size: int = 1, *, training: bool = True) -> N
         get_rollout(s.rollout)  # the name only
     validate_estimator(config)
     one_of("train.optimizer", t.optimizer, ("adamw", "adamw8bit"))
+    one_of("train.ema_stepping", t.ema_stepping, ("micro_batch", "optimizer_step"))
     one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_range("train.lr_warmup_steps", t.lr_warmup_steps, 0)
     if t.lr_warmup_steps and t.lr_schedule == "constant":
@@ -951,11 +955,22 @@ def _check_ranges(config: Config) -> None:
             "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the other estimators read "
             "the weighted total as given); set grpo.advantage.estimator: per_reward or normalize_weights: false"
         )
-    if (t.ema_warmup or config.eval.use_ema or t.ema_update_every != 1) and t.ema == 0:
-        key = (
-            "train.ema_warmup" if t.ema_warmup else "eval.use_ema" if config.eval.use_ema else "train.ema_update_every"
+    if t.ema == 0 and (
+        key := next(
+            (
+                k
+                for k, is_set in (
+                    ("train.ema_warmup", t.ema_warmup),
+                    ("eval.use_ema", config.eval.use_ema),
+                    ("train.ema_update_every", t.ema_update_every != 1),
+                    ("train.ema_stepping", t.ema_stepping != "micro_batch"),
+                )
+                if is_set
+            ),
+            None,
         )
-        raise ConfigError(f"{key} needs an EMA: set train.ema > 0 (Flow-GRPO 0.9) or {key}: false")
+    ):
+        raise ConfigError(f"{key} needs an EMA: set train.ema > 0 (Flow-GRPO 0.9) or leave {key} at its default")
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")
     for i, beta in enumerate(t.betas):

@@ -465,10 +465,12 @@ class GRPOTrainer:
             if updates == 0 and "ratio_max" in stats:  # still on-policy: a likelihood ratio must be exactly 1
                 sums["onpolicy_ratio_dev"].append(max(stats["ratio_max"].item() - 1.0, 1.0 - stats["ratio_min"].item()))
 
+        per_step = cfg.train.ema_stepping == "optimizer_step"
         for _ in range(cfg.train.inner_epochs):
             batches = self.objective.micro_batches(samples, trajectory.group_ids, num_micro, shuffle)
             for mb in tqdm(batches, desc=f"training e{epoch}", leave=False, disable=not self._bars):
                 sub, adv = trajectory.select(mb), advantages[mb].to(acc.device)
+                stepped = False  # whether this micro-batch ended an optimizer step (train.ema_stepping)
                 for j, batch in enumerate(self.objective.terms(sub, adv, shuffle)):
                     outcome = self.stepper.term(lambda batch=batch: self.objective.loss(self.adapter, batch), record)
                     if outcome.update_skipped:
@@ -477,12 +479,14 @@ class GRPOTrainer:
                         sums["grad_norm"].append(outcome.grad_norm)
                         self.state.global_step += 1
                         updates += 1
+                        stepped = True
                     if outcome.cycle_ended and self._agree_to_stop():
-                        if self.ema is not None and j == terms - 1:  # the micro-batch is complete: as below
+                        if self.ema is not None and j == terms - 1 and (stepped or not per_step):  # as below
                             self.ema.step(self.params, self.state.global_step)
                         model.eval()
                         return self._summarize(sums)
-                if self.ema is not None:  # after every micro-batch, with the optimizer step count (as Flow-GRPO)
+                # after every micro-batch, with the optimizer step count (Flow-GRPO), or after each optimizer step
+                if self.ema is not None and (stepped or not per_step):
                     self.ema.step(self.params, self.state.global_step)
         model.eval()
         return self._summarize(sums)

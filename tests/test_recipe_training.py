@@ -230,6 +230,57 @@ def test_ema_warmup_and_interval_follow_flowgrpo():
     assert plain.current_decay(0) == 0.9
 
 
+@pytest.mark.parametrize("stepping", ["micro_batch", "optimizer_step"])
+def test_ema_stepping_after_every_micro_batch_or_once_per_optimizer_step(tmp_path, stepping):
+    """Flow-GRPO's train_sd3.py steps its EMA after every micro-batch; DiffusionNFT's train_nft_sd3.py once per
+    optimizer step, after it (``train.ema_stepping``). Four micro-batches, two to a step, decay 0.5, weights p0 → p1 →
+    p2: after every micro-batch the shadow is p0/8 + 3p1/8 + p2/2 (p0, p1, p1, p2), once per step p0/4 + p1/4 + p2/2."""
+    from flowgrpo.trainer import GRPOTrainer
+
+    overrides = ["train.ema=0.5", f"train.ema_stepping={stepping}", "train.gradient_accumulation=2"]
+    config = load_config(
+        TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "grpo.groups_per_epoch=8", *overrides]
+    )
+    trainer = GRPOTrainer(config)
+    weights = [[p.detach().float().clone() for p in trainer.params]]
+    optimizer_step, ema_update, moves = trainer.optimizer.step, trainer.ema.update, []
+
+    def recorded_step(*args, **kwargs):
+        optimizer_step(*args, **kwargs)
+        weights.append([p.detach().float().clone() for p in trainer.params])
+
+    def counted_update(params, decay=None):
+        moves.append(decay)
+        ema_update(params, decay)
+
+    trainer.optimizer.step, trainer.ema.update = recorded_step, counted_update
+    trainer.run_epoch(0)
+    assert len(weights) == 3  # two optimizer steps
+    share = {"micro_batch": (1 / 8, 3 / 8, 1 / 2), "optimizer_step": (1 / 4, 1 / 4, 1 / 2)}[stepping]
+    assert len(moves) == {"micro_batch": 4, "optimizer_step": 2}[stepping]
+    for i, shadow in enumerate(trainer.ema.shadow):
+        expected = sum(c * w[i] for c, w in zip(share, weights, strict=True))
+        torch.testing.assert_close(shadow, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(weights[1][0], weights[2][0])  # the weights moved at each step: the cases differ
+
+
+def test_ema_stepping_per_optimizer_step_when_the_budget_stops_an_epoch(tmp_path):
+    """run.max_minutes ends the epoch after the first optimizer step: the EMA has moved once, toward p1."""
+    from flowgrpo.trainer import GRPOTrainer
+
+    overrides = ["train.ema=0.5", "train.ema_stepping=optimizer_step", "train.gradient_accumulation=2"]
+    config = load_config(
+        TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "grpo.groups_per_epoch=8", *overrides]
+    )
+    trainer = GRPOTrainer(config)
+    start = [p.detach().float().clone() for p in trainer.params]
+    trainer._agree_to_stop = lambda: True
+    trainer.run_epoch(0)
+    assert trainer.state.global_step == 1
+    for shadow, p0, p1 in zip(trainer.ema.shadow, start, trainer.params, strict=True):
+        torch.testing.assert_close(shadow, (p0 + p1.detach().float()) / 2, rtol=1e-5, atol=1e-6)
+
+
 def test_eval_uses_ema_weights(tmp_path):
     """eval.use_ema: evaluation sees the EMA weights; training resumes with its own weights afterwards."""
     from flowgrpo.trainer import GRPOTrainer
@@ -273,6 +324,8 @@ def test_lora_dropout_is_refused_because_it_breaks_the_onpolicy_ratio():
         (["grpo.advantage.normalize_weights=true"], "only applies to per-reward advantages"),
         (["train.ema_update_every=8"], "train.ema_update_every needs an EMA"),
         (["train.ema_warmup=true"], "train.ema_warmup needs an EMA"),
+        (["train.ema_stepping=optimizer_step"], "train.ema_stepping needs an EMA"),
+        (["train.ema=0.9", "train.ema_stepping=per_step"], "train.ema_stepping must be one of"),
         (["grpo.timestep_fraction=0"], "grpo.timestep_fraction must lie in"),
         (["train.updates_per_epoch=0"], "train.updates_per_epoch must be >= 1"),
     ],
