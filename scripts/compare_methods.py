@@ -496,7 +496,7 @@ def _evaluate_run(folder: Path, samples: int, last: bool = False) -> dict[str, f
     cached = checkpoint / f"eval{samples}{'-last' if last else ''}.json"
     if cached.is_file():  # read before the config: a cached run's numbers stay readable whatever its config does now
         return json.loads(cached.read_text(encoding="utf-8"))
-    config = run_config(checkpoint, ["run.resume=null"])
+    config = run_config(checkpoint)  # run_config already clears run.resume
     if last and not config.eval.use_ema:
         return None
     summary = _evaluate(config, checkpoint, samples, ema=False if last else None)
