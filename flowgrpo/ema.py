@@ -12,8 +12,9 @@ class EMA:
     """``shadow ← shadow + (1 - d)·(p - shadow)``.
 
     ``step(params, s)`` follows Flow-GRPO's ``EMAModuleWrapper.step`` (called after every training micro-batch, or
-    after every optimizer step with ``train.ema_stepping: optimizer_step``, with the optimizer step count ``s``): it moves only when ``(s + 1) % update_every == 0``, with decay
-    ``d = min((1 + s) / (10 + s), decay)`` when ``warmup`` is set, else ``decay``.
+    after every optimizer step with ``train.ema_stepping: optimizer_step``, with the optimizer step count ``s``): it
+    moves only when ``(s + 1) % update_every == 0``, with decay ``d = min((1 + s) / (10 + s), decay)`` when ``warmup``
+    is set, else ``decay``.
     """
 
     def __init__(
