@@ -955,21 +955,14 @@ def _check_ranges(config: Config) -> None:
             "grpo.advantage.normalize_weights=true only applies to per-reward advantages (the other estimators read "
             "the weighted total as given); set grpo.advantage.estimator: per_reward or normalize_weights: false"
         )
-    if t.ema == 0 and (
-        key := next(
-            (
-                k
-                for k, is_set in (
-                    ("train.ema_warmup", t.ema_warmup),
-                    ("eval.use_ema", config.eval.use_ema),
-                    ("train.ema_update_every", t.ema_update_every != 1),
-                    ("train.ema_stepping", t.ema_stepping != "micro_batch"),
-                )
-                if is_set
-            ),
-            None,
-        )
-    ):
+    ema_options = {
+        "train.ema_warmup": t.ema_warmup,
+        "eval.use_ema": config.eval.use_ema,
+        "train.ema_update_every": t.ema_update_every != 1,
+        "train.ema_stepping": t.ema_stepping != "micro_batch",
+    }
+    if t.ema == 0 and (set_without_ema := [key for key, is_set in ema_options.items() if is_set]):
+        key = set_without_ema[0]
         raise ConfigError(f"{key} needs an EMA: set train.ema > 0 (Flow-GRPO 0.9) or leave {key} at its default")
     if len(t.betas) != 2:
         raise ConfigError(f"train.betas must be two numbers [beta1, beta2] (AdamW), got {t.betas}")

@@ -466,6 +466,13 @@ class GRPOTrainer:
                 sums["onpolicy_ratio_dev"].append(max(stats["ratio_max"].item() - 1.0, 1.0 - stats["ratio_min"].item()))
 
         per_step = cfg.train.ema_stepping == "optimizer_step"
+
+        def step_ema(stepped: bool) -> None:
+            """After every micro-batch, with the optimizer step count (Flow-GRPO), or only after one that ended an
+            optimizer step (``train.ema_stepping: optimizer_step``)."""
+            if self.ema is not None and (stepped or not per_step):
+                self.ema.step(self.params, self.state.global_step)
+
         for _ in range(cfg.train.inner_epochs):
             batches = self.objective.micro_batches(samples, trajectory.group_ids, num_micro, shuffle)
             for mb in tqdm(batches, desc=f"training e{epoch}", leave=False, disable=not self._bars):
@@ -481,13 +488,11 @@ class GRPOTrainer:
                         updates += 1
                         stepped = True
                     if outcome.cycle_ended and self._agree_to_stop():
-                        if self.ema is not None and j == terms - 1 and (stepped or not per_step):  # as below
-                            self.ema.step(self.params, self.state.global_step)
+                        if j == terms - 1:  # the micro-batch is complete: as below
+                            step_ema(stepped)
                         model.eval()
                         return self._summarize(sums)
-                # after every micro-batch, with the optimizer step count (Flow-GRPO), or after each optimizer step
-                if self.ema is not None and (stepped or not per_step):
-                    self.ema.step(self.params, self.state.global_step)
+                step_ema(stepped)
         model.eval()
         return self._summarize(sums)
 

@@ -230,18 +230,22 @@ def test_ema_warmup_and_interval_follow_flowgrpo():
     assert plain.current_decay(0) == 0.9
 
 
+def _ema_trainer(tmp_path, stepping: str):
+    """tiny_sd3 with an EMA of 0.5: four micro-batches an epoch, two to an optimizer step."""
+    from flowgrpo.trainer import GRPOTrainer
+
+    overrides = ["train.ema=0.5", f"train.ema_stepping={stepping}", "train.gradient_accumulation=2"]
+    return GRPOTrainer(
+        load_config(TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "grpo.groups_per_epoch=8", *overrides])
+    )
+
+
 @pytest.mark.parametrize("stepping", ["micro_batch", "optimizer_step"])
 def test_ema_stepping_after_every_micro_batch_or_once_per_optimizer_step(tmp_path, stepping):
     """Flow-GRPO's train_sd3.py steps its EMA after every micro-batch; DiffusionNFT's train_nft_sd3.py once per
     optimizer step, after it (``train.ema_stepping``). Four micro-batches, two to a step, decay 0.5, weights p0 → p1 →
     p2: after every micro-batch the shadow is p0/8 + 3p1/8 + p2/2 (p0, p1, p1, p2), once per step p0/4 + p1/4 + p2/2."""
-    from flowgrpo.trainer import GRPOTrainer
-
-    overrides = ["train.ema=0.5", f"train.ema_stepping={stepping}", "train.gradient_accumulation=2"]
-    config = load_config(
-        TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "grpo.groups_per_epoch=8", *overrides]
-    )
-    trainer = GRPOTrainer(config)
+    trainer = _ema_trainer(tmp_path, stepping)
     weights = [[p.detach().float().clone() for p in trainer.params]]
     optimizer_step, ema_update, moves = trainer.optimizer.step, trainer.ema.update, []
 
@@ -266,13 +270,7 @@ def test_ema_stepping_after_every_micro_batch_or_once_per_optimizer_step(tmp_pat
 
 def test_ema_stepping_per_optimizer_step_when_the_budget_stops_an_epoch(tmp_path):
     """run.max_minutes ends the epoch after the first optimizer step: the EMA has moved once, toward p1."""
-    from flowgrpo.trainer import GRPOTrainer
-
-    overrides = ["train.ema=0.5", "train.ema_stepping=optimizer_step", "train.gradient_accumulation=2"]
-    config = load_config(
-        TINY, [f"run.output_dir={tmp_path}", "run.progress=false", "grpo.groups_per_epoch=8", *overrides]
-    )
-    trainer = GRPOTrainer(config)
+    trainer = _ema_trainer(tmp_path, "optimizer_step")
     start = [p.detach().float().clone() for p in trainer.params]
     trainer._agree_to_stop = lambda: True
     trainer.run_epoch(0)
